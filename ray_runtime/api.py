@@ -1,0 +1,163 @@
+"""The Python API: LLM and generate(), with vLLM's names and shapes."""
+from __future__ import annotations
+
+import math
+import os
+import uuid
+from typing import Optional, Sequence, Union
+
+import ray
+
+from ray_runtime.config import EngineConfig, parse_partition, stage_layer_ranges
+from ray_runtime.driver import Driver, resolve_max_model_len
+from ray_runtime.messages import FinishedRequest, RequestSpec
+from ray_runtime.outputs import CompletionOutput, Logprob, RequestOutput
+from ray_runtime.sampling_params import SamplingParams
+from ray_runtime.validation import validate_request
+from stages.model_spec import ModelSpec
+
+PromptType = Union[str, dict]
+
+
+def connect_ray(config: EngineConfig) -> None:
+    """Join the cluster that is there (`ray job submit`, RAY_ADDRESS, a running local
+    cluster); start a local one only when there is none."""
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address="auto")
+    except (ConnectionError, RuntimeError):
+        need = math.ceil(config.pipeline_parallel_size * config.num_cpus_per_stage)
+        ray.init(num_cpus=max(os.cpu_count() or 1, need))
+
+
+def load_tokenizer(model_dir: str):
+    if not any(os.path.isfile(os.path.join(model_dir, f))
+               for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+class LLM:
+    def __init__(self, model: str, pipeline_parallel_size: int = 1, device: str = "cpu",
+                 dtype: str = "float32", max_num_seqs: int = 64, max_num_batched_tokens: int = 256,
+                 block_size: int = 16, num_kv_blocks: Optional[int] = None,
+                 pp_layer_partition: Union[str, Sequence[int], None] = None,
+                 async_scheduling: bool = False, max_model_len: Optional[int] = None,
+                 tokenizer: Optional[str] = None, **engine_kwargs) -> None:
+        if async_scheduling:
+            raise NotImplementedError(
+                "async_scheduling=True is not implemented yet; use async_scheduling=False")
+        self.config = EngineConfig(
+            model=model, pipeline_parallel_size=pipeline_parallel_size, device=device,
+            dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size, num_kv_blocks=num_kv_blocks,
+            pp_layer_partition=parse_partition(pp_layer_partition),
+            async_scheduling=async_scheduling, max_model_len=max_model_len, **engine_kwargs)
+        # Every check that can fail on the config fails here, before any actor starts.
+        spec = ModelSpec.from_dir(model)
+        stage_layer_ranges(spec.num_layers, pipeline_parallel_size, self.config.pp_layer_partition)
+        resolve_max_model_len(self.config, spec)
+        self.tokenizer = load_tokenizer(tokenizer or model)
+        connect_ray(self.config)
+        self._driver = ray.remote(num_cpus=0)(Driver).remote(self.config)
+        self.info = ray.get(self._driver.info.remote())
+        self._closed = False
+
+    # ---- generation ----------------------------------------------------------------------
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None
+                 ) -> list[RequestOutput]:
+        if self._closed:
+            raise RuntimeError("LLM has been shut down")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params)} entries for "
+                                 f"{len(prompts)} prompts")
+        specs, texts = [], []
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            token_ids, text = self._tokenize(i, prompt)
+            validate_request(i, token_ids, sp, vocab_size=self.info["vocab_size"],
+                             max_model_len=self.info["max_model_len"],
+                             num_kv_blocks=self.info["num_kv_blocks"],
+                             block_size=self.info["block_size"])
+            specs.append(RequestSpec(req_id=f"{i}-{uuid.uuid4().hex[:12]}",
+                                     prompt_token_ids=list(token_ids), sampling=sp))
+            texts.append(text)
+        if not specs:
+            return []
+        finished = {f.req_id: f for f in ray.get(self._driver.generate.remote(specs))}
+        return [self._to_output(finished[s.req_id], text, s.sampling)
+                for s, text in zip(specs, texts)]
+
+    def _tokenize(self, index: int, prompt: PromptType) -> tuple[list[int], Optional[str]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt {index}: a text prompt needs a tokenizer, and "
+                                 f"{self.config.model!r} has none; pass prompt_token_ids")
+            return self.tokenizer(prompt).input_ids, prompt
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)):
+                raise ValueError(f"prompt {index}: prompt_token_ids must be a list of ints")
+            return list(ids), prompt.get("prompt")
+        raise ValueError(f"prompt {index}: expected a string or a dict with 'prompt_token_ids', "
+                         f"got {type(prompt).__name__}")
+
+    def _to_output(self, f: FinishedRequest, prompt: Optional[str],
+                   sp: SamplingParams) -> RequestOutput:
+        text = ""
+        if self.tokenizer is not None and sp.detokenize:
+            text = self.tokenizer.decode(f.output_token_ids, skip_special_tokens=True)
+        logprobs = cumulative = None
+        if f.logprobs is not None:
+            logprobs, cumulative = [], 0.0
+            for tok, table, rank in zip(f.output_token_ids, f.logprobs, f.logprob_ranks):
+                entry = {}
+                for tid, lp in table.items():
+                    entry[tid] = Logprob(logprob=lp, rank=rank if tid == tok else None,
+                                         decoded_token=self._decode_one(tid))
+                logprobs.append(entry)
+                cumulative += table[tok]
+        completion = CompletionOutput(index=0, text=text, token_ids=f.output_token_ids,
+                                      cumulative_logprob=cumulative, logprobs=logprobs,
+                                      finish_reason=f.finish_reason, stop_reason=f.stop_reason)
+        return RequestOutput(request_id=f.req_id, prompt=prompt,
+                             prompt_token_ids=f.prompt_token_ids, outputs=[completion],
+                             num_preemptions=f.num_preemptions)
+
+    def _decode_one(self, token_id: int) -> Optional[str]:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+
+    # ---- engine --------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return ray.get(self._driver.stats.remote())
+
+    def check(self) -> None:
+        """Run every invariant check: scheduler, block pool, and each rank's InputBatch."""
+        ray.get(self._driver.check.remote())
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            ray.get(self._driver.shutdown.remote(), timeout=60)
+        finally:
+            ray.kill(self._driver)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,57 @@
+"""Placing the stages: one placement-group bundle per stage, rank r in bundle r, and the
+inter-stage process group wired with an OS-chosen port."""
+from __future__ import annotations
+
+import logging
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ray_runtime.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+def stage_bundle(config: EngineConfig) -> dict:
+    bundle = {"CPU": config.num_cpus_per_stage}
+    if config.device == "cuda":
+        bundle["GPU"] = 1
+    return bundle
+
+
+def create_placement_group(config: EngineConfig):
+    bundles = [stage_bundle(config) for _ in range(config.pipeline_parallel_size)]
+    pg = placement_group(bundles, strategy=config.placement_strategy)
+    ready, _ = ray.wait([pg.ready()], timeout=config.placement_timeout_s)
+    if not ready:
+        remove_placement_group(pg)
+        raise RuntimeError(
+            f"could not place {config.pipeline_parallel_size} pipeline stages of {bundles[0]} "
+            f"each with strategy {config.placement_strategy} within "
+            f"{config.placement_timeout_s:.0f}s: the cluster has {ray.cluster_resources()}. "
+            "Run `ray status` to see free resources, add nodes, lower "
+            "pipeline_parallel_size, or use placement_strategy='SPREAD'.")
+    return pg
+
+
+def start_stages(config: EngineConfig, pg, layer_ranges: list[tuple[int, int]],
+                 max_model_len: int) -> list:
+    from stages.worker import StageWorker  # stages import ray_runtime's messages: no cycle at load
+
+    remote_cls = ray.remote(StageWorker)
+    stages = []
+    for rank, layer_range in enumerate(layer_ranges):
+        opts = dict(num_cpus=config.num_cpus_per_stage,
+                    num_gpus=1 if config.device == "cuda" else 0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=rank))
+        stages.append(remote_cls.options(**opts).remote(config, rank, layer_range, max_model_len))
+    infos = ray.get([s.node_info.remote() for s in stages])
+    for info in infos:
+        logger.info("stage %d: layers %s on node %s (pid %d)", info["rank"], info["layers"],
+                    info["node_id"][:8], info["pid"])
+    if config.pipeline_parallel_size > 1:
+        host, port = ray.get(stages[0].rendezvous_address.remote())
+        ray.get([s.init_transport.remote(host, port) for s in stages])
+    return stages

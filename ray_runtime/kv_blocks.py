@@ -1,0 +1,48 @@
+"""KV block accounting: the one owner of which pool block belongs to which request.
+
+Every stage holds a pool of the same `num_blocks` blocks for its own layers, so one
+allocation here is valid on every rank. Check-then-commit: `can_allocate` changes nothing,
+`allocate` asserts and mutates.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(num_blocks))
+        self._owned: dict[str, list[int]] = {}
+
+    def blocks_needed(self, req_id: str, num_tokens: int) -> int:
+        have = len(self._owned.get(req_id, ()))
+        return max(0, -(-num_tokens // self.block_size) - have)
+
+    def can_allocate(self, req_id: str, num_tokens: int) -> bool:
+        return self.blocks_needed(req_id, num_tokens) <= len(self._free)
+
+    def allocate(self, req_id: str, num_tokens: int) -> list[int]:
+        """Grow req_id's blocks to hold num_tokens tokens; returns only the new block ids."""
+        n = self.blocks_needed(req_id, num_tokens)
+        assert n <= len(self._free), f"allocate({req_id}, {num_tokens}) without can_allocate"
+        new = [self._free.popleft() for _ in range(n)]
+        self._owned.setdefault(req_id, []).extend(new)
+        return new
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return list(self._owned.get(req_id, ()))
+
+    def free(self, req_id: str) -> None:
+        self._free.extend(self._owned.pop(req_id, ()))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def check(self) -> None:
+        owned = [b for blocks in self._owned.values() for b in blocks]
+        every = owned + list(self._free)
+        assert len(every) == self.num_blocks and set(every) == set(range(self.num_blocks)), \
+            "block pool leak or double ownership: free + owned != all blocks"

@@ -1,0 +1,110 @@
+"""Everything that crosses an actor boundary, as msgspec Structs.
+
+The driver encodes each StepPlan once (msgpack) and puts the bytes in the object store; every
+stage decodes the same bytes: that is the broadcast of new_token_ids. Nothing here carries a
+row index: rows are rank-local, so requests are named by id and incarnation only.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import msgspec
+
+from ray_runtime.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, array_like=True):
+    """A request entering the ranks' batches: first scheduling, or resumption after preemption."""
+
+    req_id: str
+    incarnation: int  # bumped by the driver on every (re)admission; late results of older ones are dropped
+    token_ids: list[int]  # the whole known prefix: prompt + every committed output token
+    num_prompt_tokens: int
+    num_computed_tokens: int  # tokens whose KV is already valid in block_ids (0 here: no prefix cache)
+    block_ids: list[int]
+    sampling: SamplingParams
+
+
+class CachedRequestData(msgspec.Struct, array_like=True):
+    """A request already in the ranks' batches: only what changed since the last plan naming it."""
+
+    req_id: str
+    new_token_ids: list[int]  # appended to the known prefix, never overwriting it
+    new_block_ids: list[int]
+    num_computed_tokens: int  # the driver's count before this step, checked by every rank
+
+
+class StepPlan(msgspec.Struct, array_like=True):
+    step_id: int
+    removed_req_ids: list[str]  # finished, aborted or preempted since the previous plan
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    # The order in which this step's tokens are laid out, and how many each request runs.
+    scheduled_req_ids: list[str]
+    num_scheduled_tokens: list[int]
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+
+class SamplerOutput(msgspec.Struct, array_like=True):
+    """The last rank's result for one step: one entry per request that reached the end of its
+    known prefix (a request in the middle of a chunked prefill samples nothing)."""
+
+    step_id: int
+    req_ids: list[str]
+    incarnations: list[int]
+    sampled_token_ids: list[list[int]]  # a list per request: one token now, k+1 with drafts later
+    # Per request, when logprobs were asked: [chosen, top-1, ..., top-n] ids and their logprobs.
+    logprob_token_ids: Optional[list[list[int]]] = None
+    logprobs: Optional[list[list[float]]] = None
+    num_logprob_ranks: Optional[list[int]] = None  # rank of the chosen token (1 = most likely)
+
+
+class StageStepResult(msgspec.Struct, array_like=True):
+    """What every stage returns for a step: the sampler output on the last rank."""
+
+    step_id: int
+    rank: int
+    compute_s: float
+    sampler_output: Optional[SamplerOutput] = None
+
+
+_plan_encoder = msgspec.msgpack.Encoder()
+_plan_decoder = msgspec.msgpack.Decoder(StepPlan)
+_result_decoder = msgspec.msgpack.Decoder(StageStepResult)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _plan_encoder.encode(msg)
+
+
+def decode_plan(data: bytes) -> StepPlan:
+    return _plan_decoder.decode(data)
+
+
+def decode_result(data: bytes) -> StageStepResult:
+    return _result_decoder.decode(data)
+
+
+class RequestSpec(msgspec.Struct, array_like=True):
+    """A validated request, from the API to the driver."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+class FinishedRequest(msgspec.Struct, array_like=True):
+    """A request's final state, from the driver to the API."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    finish_reason: str
+    stop_reason: Optional[int]
+    num_preemptions: int
+    # Per output token when logprobs were asked: {token_id: logprob} and the chosen one's rank.
+    logprobs: Optional[list[dict[int, float]]] = None
+    logprob_ranks: Optional[list[int]] = None

@@ -1,0 +1,208 @@
+"""The rank-local persistent batch: one row per live request, kept across steps.
+
+Invariants (SEEDS.md 1 and 3), enforced by `check()`:
+  - a row holds its complete known prefix token_ids[row, :num_tokens_known]: the prompt plus
+    every committed output token; positions past it hold POISON, never stale tokens;
+  - num_computed_tokens <= num_tokens_known, and num_tokens_known >= num_prompt_tokens;
+  - num_tokens_known only grows, from its own value (see `append_tokens`), never from
+    num_computed_tokens;
+  - every row move copies the whole known prefix and every per-row field (`_move_row`);
+  - adding a request initializes every per-row field, and bumps the row's generation.
+Requests are addressed by id; row indices never leave this rank.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ray_runtime.messages import CachedRequestData, NewRequestData, StepPlan
+from ray_runtime.sampling_params import SamplingParams
+
+POISON = -1  # token id stored past a row's known prefix; embedding it fails loudly
+
+
+class InputBatch:
+    # Per-row numpy fields other than token_ids and block_table; `_move_row` copies them all.
+    _ROW_SCALARS = ("num_tokens_known", "num_prompt_tokens", "num_computed_tokens",
+                    "num_blocks", "incarnation", "last_sampled_token")
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        max_blocks = -(-max_model_len // block_size)
+        self.req_ids: list[Optional[str]] = [None] * max_num_seqs
+        self.req_id_to_row: dict[str, int] = {}
+        self.token_ids = np.full((max_num_seqs, max_model_len), POISON, np.int64)
+        self.num_tokens_known = np.zeros(max_num_seqs, np.int64)  # a.k.a. num_tokens_no_spec
+        self.num_prompt_tokens = np.zeros(max_num_seqs, np.int64)
+        self.num_computed_tokens = np.zeros(max_num_seqs, np.int64)
+        self.block_table = np.zeros((max_num_seqs, max_blocks), np.int32)
+        self.num_blocks = np.zeros(max_num_seqs, np.int64)
+        self.incarnation = np.zeros(max_num_seqs, np.int64)  # the driver's admission counter
+        self.last_sampled_token = np.full(max_num_seqs, POISON, np.int64)
+        self.generation = np.zeros(max_num_seqs, np.int64)  # the row's tenant count; not moved
+        self.sampling: list[Optional[SamplingParams]] = [None] * max_num_seqs
+
+    # ---- the whole-step entry point ------------------------------------------------------
+    def apply_plan(self, plan: StepPlan) -> None:
+        """Removals, condense, admissions, then deltas: one operation, no follow-up owed."""
+        for req_id in plan.removed_req_ids:
+            self.remove(req_id)
+        self.condense()
+        for new in plan.new_reqs:
+            self.add(new)
+        for delta in plan.cached_reqs:
+            self.update(delta)
+
+    # ---- rows ----------------------------------------------------------------------------
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_row)
+
+    def add(self, new: NewRequestData) -> int:
+        if new.req_id in self.req_id_to_row:
+            raise ValueError(f"request {new.req_id!r} is already in the batch")
+        n = len(new.token_ids)
+        if n > self.max_model_len:
+            raise ValueError(f"request {new.req_id!r}: {n} tokens > max_model_len {self.max_model_len}")
+        row = self._first_free_row()
+        self.req_ids[row] = new.req_id
+        self.req_id_to_row[new.req_id] = row
+        self.token_ids[row, :n] = new.token_ids
+        self.token_ids[row, n:] = POISON
+        self.num_tokens_known[row] = n
+        self.num_prompt_tokens[row] = new.num_prompt_tokens
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        self.block_table[row, :] = 0
+        self.num_blocks[row] = 0
+        self._append_blocks(row, new.block_ids)
+        self.incarnation[row] = new.incarnation
+        # The previous tenant's last token must never feed this one (SEEDS.md 3).
+        self.last_sampled_token[row] = new.token_ids[-1] if n else POISON
+        self.sampling[row] = new.sampling
+        self.generation[row] += 1
+        return row
+
+    def update(self, delta: CachedRequestData) -> None:
+        row = self.req_id_to_row[delta.req_id]
+        if self.num_computed_tokens[row] != delta.num_computed_tokens:
+            raise AssertionError(
+                f"request {delta.req_id!r}: rank has num_computed_tokens="
+                f"{int(self.num_computed_tokens[row])}, driver says {delta.num_computed_tokens}")
+        self.append_tokens(delta.req_id, delta.new_token_ids)
+        self._append_blocks(row, delta.new_block_ids)
+
+    def append_tokens(self, req_id: str, new_token_ids: list[int]) -> None:
+        """Extend the known prefix. The counter grows from its own value: during a chunked
+        prefill no tokens arrive and it must stay at the prompt length (SEEDS.md 1)."""
+        if not new_token_ids:
+            return
+        row = self.req_id_to_row[req_id]
+        start = int(self.num_tokens_known[row])
+        end = start + len(new_token_ids)
+        if end > self.max_model_len:
+            raise ValueError(f"request {req_id!r}: {end} tokens > max_model_len {self.max_model_len}")
+        self.token_ids[row, start:end] = new_token_ids
+        self.num_tokens_known[row] = end
+        self.last_sampled_token[row] = new_token_ids[-1]
+
+    def mark_computed(self, req_id: str, num_tokens: int) -> None:
+        row = self.req_id_to_row[req_id]
+        self.num_computed_tokens[row] += num_tokens
+
+    def remove(self, req_id: str) -> None:
+        """Leave a hole; `apply_plan` condenses right after."""
+        row = self.req_id_to_row.pop(req_id)
+        self._clear_row(row)
+
+    def condense(self) -> None:
+        """Move the last live rows into the holes so that rows [0, num_reqs) are live."""
+        live = sorted(self.req_id_to_row.values())
+        n = len(live)
+        holes = [r for r in range(n) if self.req_ids[r] is None]
+        tail = [r for r in reversed(live) if r >= n]
+        for hole, src in zip(holes, tail):
+            self._move_row(src, hole)
+
+    def swap(self, a: int, b: int) -> None:
+        if a == b:
+            return
+        snap_a, snap_b = self._snapshot(a), self._snapshot(b)
+        self._restore(a, snap_b)
+        self._restore(b, snap_a)
+
+    # ---- internals -----------------------------------------------------------------------
+    def _first_free_row(self) -> int:
+        for row, rid in enumerate(self.req_ids):
+            if rid is None:
+                return row
+        raise RuntimeError(f"InputBatch full: max_num_seqs={self.max_num_seqs}")
+
+    def _append_blocks(self, row: int, block_ids: list[int]) -> None:
+        start = int(self.num_blocks[row])
+        self.block_table[row, start:start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def _move_row(self, src: int, dst: int) -> None:
+        assert self.req_ids[dst] is None and self.req_ids[src] is not None
+        self._restore(dst, self._snapshot(src))
+        self._clear_row(src)
+
+    def _snapshot(self, row: int) -> dict:
+        known = int(self.num_tokens_known[row])
+        snap = {name: getattr(self, name)[row].copy() for name in self._ROW_SCALARS}
+        snap["token_prefix"] = self.token_ids[row, :known].copy()  # the whole known prefix
+        snap["block_table"] = self.block_table[row].copy()
+        snap["req_id"] = self.req_ids[row]
+        snap["sampling"] = self.sampling[row]
+        snap["generation"] = self.generation[row].copy()
+        return snap
+
+    def _restore(self, row: int, snap: dict) -> None:
+        for name in self._ROW_SCALARS:
+            getattr(self, name)[row] = snap[name]
+        known = len(snap["token_prefix"])
+        self.token_ids[row, :known] = snap["token_prefix"]
+        self.token_ids[row, known:] = POISON
+        self.block_table[row] = snap["block_table"]
+        self.req_ids[row] = snap["req_id"]
+        self.sampling[row] = snap["sampling"]
+        self.generation[row] = snap["generation"]
+        if snap["req_id"] is not None:
+            self.req_id_to_row[snap["req_id"]] = row
+
+    def _clear_row(self, row: int) -> None:
+        self.req_ids[row] = None
+        self.token_ids[row, :] = POISON
+        for name in self._ROW_SCALARS:
+            getattr(self, name)[row] = 0
+        self.last_sampled_token[row] = POISON
+        self.block_table[row] = 0
+        self.sampling[row] = None
+
+    # ---- invariants ----------------------------------------------------------------------
+    def check(self) -> None:
+        assert len(self.req_id_to_row) == sum(r is not None for r in self.req_ids)
+        for req_id, row in self.req_id_to_row.items():
+            assert self.req_ids[row] == req_id, f"row map broken for {req_id!r}"
+        for row, req_id in enumerate(self.req_ids):
+            known = int(self.num_tokens_known[row])
+            if req_id is None:
+                assert known == 0 and self.num_computed_tokens[row] == 0, f"hole {row} not clear"
+                assert self.sampling[row] is None
+                continue
+            computed = int(self.num_computed_tokens[row])
+            prompt = int(self.num_prompt_tokens[row])
+            where = f"request {req_id!r} (row {row})"
+            assert prompt <= known <= self.max_model_len, \
+                f"{where}: known prefix {known} shorter than its prompt {prompt}"
+            assert 0 <= computed <= known, f"{where}: computed {computed} > known {known}"
+            assert (self.token_ids[row, :known] >= 0).all(), f"{where}: poison inside known prefix"
+            assert (self.token_ids[row, known:] == POISON).all(), f"{where}: stale tokens past prefix"
+            assert self.last_sampled_token[row] == self.token_ids[row, known - 1], \
+                f"{where}: last_sampled_token is not the last known token"
+            assert int(self.num_blocks[row]) * self.block_size >= computed, \
+                f"{where}: computed tokens without KV blocks"
+            assert self.sampling[row] is not None

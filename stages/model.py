@@ -1,0 +1,233 @@
+"""One pipeline stage of a Llama-family model, built from a HF checkpoint.
+
+Stage r of P holds decoder layers [start, end) only; the first stage also holds the token
+embeddings, the last the final norm and the LM head (tied or not). Only those tensors are
+read from the safetensors files. The math follows transformers' Llama / Mistral / Qwen2 /
+Qwen3 modules op for op, so that float32 results match its `generate`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from kernels.paged_attention import paged_attention, write_kv
+from stages.model_spec import ModelSpec
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor  # [num_tokens]
+    slot_mapping: torch.Tensor  # [num_tokens]
+    block_tables: torch.Tensor  # [num_reqs, max_blocks]
+    seq_lens: list[int]  # [num_reqs] context length after this step
+    query_start_loc: list[int]  # [num_reqs + 1]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables from transformers' own rope initializers, so every rope_type it
+    implements statically (default, linear, llama3, yarn, ...) matches it exactly."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        from transformers import AutoConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        hf_config = AutoConfig.from_pretrained(spec.model_dir)
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+            dim = spec.head_dim
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            self.scaling = 1.0
+        else:
+            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        nh, nkv, hd, h = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
+        self.q_proj = nn.Linear(h, nh * hd, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(h, nkv * hd, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(h, nkv * hd, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(nh * hd, h, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(hd, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, spec.rms_norm_eps)
+        self.scale = hd ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        spec, n = self.spec, x.shape[0]
+        q = self.q_proj(x).view(n, spec.num_heads, spec.head_dim)
+        k = self.k_proj(x).view(n, spec.num_kv_heads, spec.head_dim)
+        v = self.v_proj(x).view(n, spec.num_kv_heads, spec.head_dim)
+        if spec.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        key_cache, value_cache = kv
+        write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                              meta.query_start_loc, self.scale)
+        return self.o_proj(out.reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        h, i, b = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=b)
+        self.up_proj = nn.Linear(h, i, bias=b)
+        self.down_proj = nn.Linear(i, h, bias=b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x, cos, sin, meta, kv) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class StageModel(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_range: tuple[int, int], is_first: bool,
+                 is_last: bool) -> None:
+        super().__init__()
+        self.spec, self.layer_range = spec, layer_range
+        self.is_first, self.is_last = is_first, is_last
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size) if is_first else None
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(*layer_range))
+        self.rotary = Rotary(spec)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if is_last else None
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if is_last else None
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """x: token ids [num_tokens] on the first stage, else hidden states [num_tokens, hidden]."""
+        if self.is_first:
+            x = self.embed_tokens(x)
+        cos, sin = self.rotary(meta.positions, x.dtype)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, meta, kv)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden)).float()
+
+    # ---- loading -------------------------------------------------------------------------
+    def checkpoint_names(self) -> dict[str, str]:
+        """Our parameter name -> the checkpoint's tensor name, for this stage only."""
+        start = self.layer_range[0]
+        names = {}
+        for ours in self.state_dict():
+            if ours.startswith("rotary."):
+                continue
+            if ours.startswith("layers."):
+                idx, rest = ours[len("layers."):].split(".", 1)
+                names[ours] = f"model.layers.{start + int(idx)}.{rest}"
+            elif ours == "lm_head.weight":
+                names[ours] = "model.embed_tokens.weight" if self.spec.tie_word_embeddings \
+                    else "lm_head.weight"
+            else:
+                names[ours] = f"model.{ours}"
+        return names
+
+    def load_checkpoint(self, dtype: torch.dtype, device: str) -> None:
+        wanted = self.checkpoint_names()
+        files = _tensor_files(self.spec.model_dir)
+        state: dict[str, torch.Tensor] = {}
+        by_ckpt: dict[str, list[str]] = {}
+        for ours, ckpt in wanted.items():
+            by_ckpt.setdefault(ckpt, []).append(ours)
+        for path, keys in _group_by_file(files, set(by_ckpt)).items():
+            with safe_open(path, framework="pt") as f:
+                present = set(f.keys())
+                for key in keys:
+                    if key not in present:
+                        continue
+                    tensor = f.get_tensor(key).to(dtype)
+                    for ours in by_ckpt[key]:
+                        state[ours] = tensor
+        missing = sorted(set(wanted) - set(state))
+        if missing:
+            raise ValueError(f"model: checkpoint {self.spec.model_dir!r} lacks tensors "
+                             f"{[wanted[m] for m in missing][:5]}")
+        self.load_state_dict(state, strict=False, assign=True)
+        self.rotary = Rotary(self.spec)  # built for real: the module skeleton was on "meta"
+        self.to(device=device)
+        self.eval()
+
+
+def build_stage(spec: ModelSpec, layer_range: tuple[int, int], is_first: bool, is_last: bool,
+                dtype: torch.dtype, device: str) -> StageModel:
+    """Allocate nothing for the skeleton (meta device), then take the checkpoint's tensors."""
+    with torch.device("meta"):
+        model = StageModel(spec, layer_range, is_first, is_last)
+    model.load_checkpoint(dtype, device)
+    return model
+
+
+def _tensor_files(model_dir: str) -> dict[str, Optional[str]]:
+    """tensor name -> file, from the index when sharded; {"*": file} when single."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {k: os.path.join(model_dir, v) for k, v in weight_map.items()}
+    single = os.path.join(model_dir, "model.safetensors")
+    if not os.path.isfile(single):
+        raise ValueError(f"model: no safetensors weights in {model_dir!r}")
+    return {"*": single}
+
+
+def _group_by_file(files: dict[str, Optional[str]], keys: set[str]) -> dict[str, list[str]]:
+    grouped: dict[str, list[str]] = {}
+    for key in sorted(keys):
+        path = files.get(key, files.get("*"))
+        if path is None:
+            continue
+        grouped.setdefault(path, []).append(key)
+    return grouped

@@ -1,0 +1,151 @@
+"""The stage runner: apply a plan to the rank-local batch, build this step's inputs from it,
+run this stage's layers, and pass activations on (or sample, on the last rank).
+
+It never touches scheduler state: what it knows arrives in plans, what it produces leaves in
+a StageStepResult. Plain Python, so tests can drive it without Ray.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ray_runtime.config import EngineConfig
+from ray_runtime.messages import SamplerOutput, StageStepResult, StepPlan
+from stages.input_batch import InputBatch
+from stages.kv_cache import allocate_kv_cache, available_kv_bytes, bytes_per_block
+from stages.model import AttentionMetadata, build_stage
+from stages.model_spec import ModelSpec
+from stages.sampler import Sampler, optional
+from stages.transport import StageTransport
+
+
+@dataclass
+class StepInputs:
+    token_ids: np.ndarray  # [num_tokens]
+    meta: AttentionMetadata
+    sample_req_ids: list[str]  # requests whose known prefix this step completes
+    sample_token_index: list[int]  # their last token's index in the step's layout
+
+
+class StageRunner:
+    def __init__(self, config: EngineConfig, rank: int, layer_range: tuple[int, int],
+                 max_model_len: int) -> None:
+        torch.set_num_threads(config.torch_threads_per_stage)
+        self.config = config
+        self.rank = rank
+        self.is_first = rank == 0
+        self.is_last = rank == config.pipeline_parallel_size - 1
+        self.device = config.device
+        self.dtype = getattr(torch, config.dtype)
+        self.spec = ModelSpec.from_dir(config.model)
+        self.model = build_stage(self.spec, layer_range, self.is_first, self.is_last,
+                                 self.dtype, self.device)
+        self.num_layers = layer_range[1] - layer_range[0]
+        self.batch = InputBatch(config.max_num_seqs, max_model_len, config.block_size)
+        self.sampler = Sampler(torch.device(self.device)) if self.is_last else None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.transport: Optional[StageTransport] = None
+        self.fault_hook = None  # tests only: called with the batch after each plan is applied
+
+    # ---- set-up --------------------------------------------------------------------------
+    def kv_block_capacity(self) -> int:
+        per_block = bytes_per_block(self.spec, self.num_layers, self.config.block_size, self.dtype)
+        return max(1, available_kv_bytes(self.device, self.config.kv_cache_memory_fraction) // per_block)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_cache(self.spec, self.num_layers, num_blocks,
+                                           self.config.block_size, self.dtype, self.device)
+
+    def init_transport(self, host: str, port: int) -> None:
+        if self.config.pipeline_parallel_size > 1:
+            self.transport = StageTransport(self.rank, self.config.pipeline_parallel_size,
+                                            self.device, host, port)
+
+    # ---- one step ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StageStepResult:
+        t0 = time.perf_counter()
+        self.batch.apply_plan(plan)
+        if self.fault_hook is not None:
+            self.fault_hook(self.batch, plan)
+        if self.config.debug_checks:
+            self.batch.check()
+        inputs = self.prepare_inputs(plan)
+        if self.is_first:
+            x = torch.from_numpy(inputs.token_ids).to(self.device)
+        else:
+            x = self.transport.recv_from_prev(len(inputs.token_ids), self.spec.hidden_size, self.dtype)
+        hidden = self.model(x, inputs.meta, self.kv_caches)
+        sampler_output = None
+        if self.is_last:
+            sampler_output = self._sample(plan.step_id, hidden, inputs)
+        else:
+            self.transport.send_to_next(hidden)
+        for req_id, n in zip(plan.scheduled_req_ids, plan.num_scheduled_tokens):
+            self.batch.mark_computed(req_id, n)
+        if self.config.debug_checks:
+            self.batch.check()
+        return StageStepResult(step_id=plan.step_id, rank=self.rank,
+                               compute_s=time.perf_counter() - t0, sampler_output=sampler_output)
+
+    def prepare_inputs(self, plan: StepPlan) -> StepInputs:
+        b = self.batch
+        rows = np.array([b.req_id_to_row[r] for r in plan.scheduled_req_ids], np.int64)
+        num_new = np.array(plan.num_scheduled_tokens, np.int64)
+        starts = b.num_computed_tokens[rows]
+        ends = starts + num_new
+        known = b.num_tokens_known[rows]
+        over = np.nonzero(ends > known)[0]
+        if len(over):
+            i = int(over[0])
+            raise AssertionError(
+                f"rank {self.rank}: request {plan.scheduled_req_ids[i]!r} scheduled up to token "
+                f"{int(ends[i])} but its row knows only {int(known[i])}")
+        query_start_loc = np.concatenate([[0], np.cumsum(num_new)])
+        total = int(query_start_loc[-1])
+        token_row = np.repeat(rows, num_new)
+        positions = np.arange(total) - np.repeat(query_start_loc[:-1], num_new) + np.repeat(starts, num_new)
+        bs = self.config.block_size
+        slot_mapping = b.block_table[token_row, positions // bs].astype(np.int64) * bs + positions % bs
+        max_blocks = int(-(-ends.max() // bs))
+        sample = np.nonzero(ends == known)[0]
+        dev = self.device
+        meta = AttentionMetadata(
+            positions=torch.from_numpy(positions).to(dev),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            block_tables=torch.from_numpy(b.block_table[rows, :max_blocks].astype(np.int64)).to(dev),
+            seq_lens=ends.tolist(), query_start_loc=query_start_loc.tolist())
+        token_ids = b.token_ids[token_row, positions] if self.is_first else np.empty(total, np.int64)
+        return StepInputs(token_ids=token_ids, meta=meta,
+                          sample_req_ids=[plan.scheduled_req_ids[i] for i in sample],
+                          sample_token_index=[int(query_start_loc[i + 1]) - 1 for i in sample])
+
+    def _sample(self, step_id: int, hidden: torch.Tensor, inputs: StepInputs) -> SamplerOutput:
+        b = self.batch
+        rows = [b.req_id_to_row[r] for r in inputs.sample_req_ids]
+        if not rows:
+            return SamplerOutput(step_id=step_id, req_ids=[], incarnations=[], sampled_token_ids=[])
+        index = torch.tensor(inputs.sample_token_index, device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        params = [b.sampling[r] for r in rows]
+        output_index = [int(b.num_tokens_known[r] - b.num_prompt_tokens[r]) for r in rows]
+        res = self.sampler(logits, params, output_index)
+        return SamplerOutput(
+            step_id=step_id, req_ids=inputs.sample_req_ids,
+            incarnations=[int(b.incarnation[r]) for r in rows],
+            sampled_token_ids=[[t] for t in res.token_ids],
+            logprob_token_ids=optional(res.logprob_token_ids, res.any_logprobs),
+            logprobs=optional(res.logprobs, res.any_logprobs),
+            num_logprob_ranks=optional(res.ranks, res.any_logprobs))
+
+    def check(self) -> None:
+        self.batch.check()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None

@@ -1,0 +1,101 @@
+"""Sampling on the last rank: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+A seeded request draws the token at output index i from a generator seeded with
+(seed, i) alone, so its tokens do not depend on the PP size, the batch it shares, or
+whether it was preempted and recomputed in between.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ray_runtime.sampling_params import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, index) pairs over the generator's seed space
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # Per request: [chosen, top-1..top-n] ids and logprobs, and the chosen token's rank;
+    # empty lists / 0 where no logprobs were asked.
+    logprob_token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+    any_logprobs: bool
+
+
+def seeded_generator(seed: int, output_index: int, device: torch.device) -> torch.Generator:
+    mixed = (seed * _SEED_MIX + output_index) % (2 ** 63)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(mixed)
+    return gen
+
+
+def apply_filters(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """logits: [vocab] float32 -> temperature-scaled logits with filtered entries at -inf."""
+    logits = logits / sp.temperature
+    k = sp.effective_top_k
+    if 0 < k < logits.shape[-1]:
+        kth = torch.topk(logits, k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sp.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass before it already reaches top_p; the first always stays.
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= sp.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if sp.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < sp.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._unseeded = torch.Generator(device=device)
+        self._unseeded.seed()
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 output_indices: list[int]) -> SampleResult:
+        """logits: [num_reqs, vocab] float32; output_indices: per request, the index of the
+        output token being sampled (0 for the first)."""
+        tokens = torch.argmax(logits, dim=-1)  # greedy rows keep this
+        for i, sp in enumerate(params):
+            if sp.is_greedy:
+                continue
+            probs = torch.softmax(apply_filters(logits[i], sp), dim=-1)
+            gen = self._unseeded if sp.seed is None else \
+                seeded_generator(sp.seed, output_indices[i], logits.device)
+            tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]
+        token_list = tokens.tolist()
+        return self._with_logprobs(logits, params, token_list)
+
+    def _with_logprobs(self, logits: torch.Tensor, params: list[SamplingParams],
+                       tokens: list[int]) -> SampleResult:
+        wanted = [sp.logprobs for sp in params]
+        result = SampleResult(tokens, [[] for _ in params], [[] for _ in params],
+                              [0] * len(params), any_logprobs=any(w is not None for w in wanted))
+        if not result.any_logprobs:
+            return result
+        # Raw model logprobs (before temperature and filters), as vLLM reports by default.
+        logprobs = torch.log_softmax(logits, dim=-1)
+        for i, n in enumerate(wanted):
+            if n is None:
+                continue
+            chosen = logprobs[i, tokens[i]]
+            top = torch.topk(logprobs[i], n) if n > 0 else None
+            ids = [tokens[i]] + (top.indices.tolist() if top is not None else [])
+            vals = [float(chosen)] + (top.values.tolist() if top is not None else [])
+            result.logprob_token_ids[i] = ids
+            result.logprobs[i] = vals
+            result.ranks[i] = int((logprobs[i] > chosen).sum()) + 1
+        return result
+
+
+def optional(values: list, any_set: bool) -> Optional[list]:
+    return values if any_set else None
