@@ -53,15 +53,17 @@ def _find_gguf() -> Path:
 
 def _convert(gguf: Path, out: Path) -> None:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     if tokenizer.chat_template is None:  # checked first: no point dequantizing a useless model
         raise RuntimeError(f"{gguf} carries no chat template; the demo's chat prompts need one")
-    # dequantize=True: otherwise transformers keeps packed GGUF layers when `kernels` is
-    # installed, and those cannot be saved as a plain checkpoint.
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True))
+    # dequantize=True: otherwise transformers 5.x keeps packed GGUF layers when `kernels` is
+    # installed, and those cannot be saved as a plain checkpoint. Older ones always dequantize.
+    gguf_config = getattr(transformers, "GgufConfig", None)
+    extra = {"quantization_config": gguf_config(dequantize=True)} if gguf_config else {}
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, **extra)
     # The loader leaves GGUF quantization state behind; save_pretrained refuses a model whose
     # quantizer is not serializable, or records quantization metadata readers would act on.
     model.hf_quantizer = None

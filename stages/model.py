@@ -49,19 +49,26 @@ class Rotary(nn.Module):
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        from transformers import AutoConfig
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        hf_config = AutoConfig.from_pretrained(spec.model_dir)
-        params = getattr(hf_config, "rope_parameters", None) or {}
-        rope_type = params.get("rope_type", "default")
+        with open(os.path.join(spec.model_dir, "config.json")) as f:
+            raw = json.load(f)
+        params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type == "default":
-            base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+            # The common case needs no transformers import (seconds per stage process).
+            base = params.get("rope_theta", raw.get("rope_theta", 10000.0))
             dim = spec.head_dim
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             self.scaling = 1.0
         else:
-            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config)
+            import importlib
+
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            module = importlib.import_module(
+                f"transformers.models.{spec.family}.configuration_{spec.family}")
+            config_cls = next(getattr(module, n) for n in dir(module)
+                              if n.endswith("Config") and n.lower() == f"{spec.family}config")
+            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](config_cls(**raw))
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,45 @@
+import os
+import random
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from tests.tiny_models import VOCAB, make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the whole session. Logical CPUs exceed the 2 real cores so
+    that PP=4 (one bundle per stage) places; each stage runs torch on one thread."""
+    import ray
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tiny_models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_root):
+    return lambda arch: make_tiny_model(arch, tiny_root)
+
+
+def stress_workload(seed: int, num_requests: int = 24, min_len: int = 20, max_len: int = 250,
+                    max_tokens: tuple[int, int] = (1, 12)):
+    """Prompts of uniform random length and staggered max_tokens, so that requests finish
+    at different steps and rows move while others are still in chunked prefill."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(min_len, max_len))]
+               for _ in range(num_requests)]
+    budgets = [rng.randint(*max_tokens) for _ in range(num_requests)]
+    return prompts, budgets

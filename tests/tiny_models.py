@@ -1,0 +1,55 @@
+"""Tiny random-weight HF checkpoints of each supported architecture, built on the spot.
+
+Weights are drawn wider than HF's default init so that greedy choices have clear margins
+(near-ties are what the tie rule excuses, and we want few of them). Layer counts (5, 7) do
+not divide evenly by PP sizes 2, 3 and 4.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+VOCAB = 384
+
+
+def _config(arch: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.25,
+                  bos_token_id=1, eos_token_id=2)
+    if arch == "llama":  # GQA, untied head, llama3 rope scaling
+        return LlamaConfig(num_hidden_layers=5, tie_word_embeddings=False,
+                           rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
+                                            "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 128},
+                           **common)
+    if arch == "mistral":  # tied head
+        return MistralConfig(num_hidden_layers=5, tie_word_embeddings=True, sliding_window=None,
+                             **common)
+    if arch == "qwen2":  # qkv bias
+        return Qwen2Config(num_hidden_layers=7, tie_word_embeddings=False, **common)
+    if arch == "qwen3":  # q/k norm, explicit head_dim != hidden / heads
+        return Qwen3Config(num_hidden_layers=5, head_dim=32, tie_word_embeddings=True, **common)
+    raise KeyError(arch)
+
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def make_tiny_model(arch: str, root: str, seed: int = 0) -> str:
+    from transformers import AutoModelForCausalLM
+
+    path = os.path.join(root, arch)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_config(arch), dtype=torch.float32)
+    with torch.no_grad():  # biases and norm weights off their defaults, so loading them matters
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    return path
