@@ -100,6 +100,24 @@ class LLM:
         return [self._to_output(finished[s.req_id], text, s.sampling)
                 for s, text in zip(specs, texts)]
 
+    def render_chat(self, messages: list[dict]) -> dict:
+        """One conversation through the model's chat template, as a prompt for generate().
+        The template already holds the special tokens, so none are added on tokenizing."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"messages: {self.config.model!r} has no tokenizer chat template")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True)
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        return {"prompt": text, "prompt_token_ids": ids}
+
+    def chat(self, conversations: Union[list[dict], Sequence[list[dict]]],
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None
+             ) -> list[RequestOutput]:
+        """Like vLLM's LLM.chat: one conversation (a list of messages) or several."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self.generate([self.render_chat(c) for c in conversations], sampling_params)
+
     def _tokenize(self, index: int, prompt: PromptType) -> tuple[list[int], Optional[str]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:

@@ -1,0 +1,161 @@
+"""The CLI, and the entrypoint that `ray job submit` runs.
+
+  python -m ray_runtime generate --model DIR --pipeline-parallel-size 2 \
+      --input prompts.jsonl --output out.jsonl [--max-tokens N --temperature T ...]
+  python -m ray_runtime demo [--pipeline-parallel-size 2]
+
+Input lines are {"prompt": "..."} or {"prompt_token_ids": [...]}, optionally with
+"sampling_params": {...} overriding the flags for that line, and "messages": [...] (chat)
+in place of a prompt. Output lines keep the input order.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from ray_runtime.sampling_params import SamplingParams
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model folder (default: the demo SmolLM2)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=2)
+    p.add_argument("--pp-layer-partition", default=None, help='layers per stage, e.g. "3,2,2"')
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--placement-strategy", default="PACK",
+                   choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", type=int, default=None)
+
+
+def build_llm(args):
+    from ray_runtime.api import LLM
+
+    model = args.model
+    if model is None:
+        from ray_runtime.demo_model import ensure_smollm2
+
+        model = ensure_smollm2()
+    return LLM(model=model, pipeline_parallel_size=args.pipeline_parallel_size,
+               pp_layer_partition=args.pp_layer_partition, device=args.device, dtype=args.dtype,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+               max_model_len=args.max_model_len, placement_strategy=args.placement_strategy)
+
+
+def default_sampling(args) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
+                          ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+
+
+def read_requests(path: str, llm, defaults: SamplingParams):
+    prompts, params = [], []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON: {e}") from None
+            if "messages" in row:
+                prompts.append(llm.render_chat(row["messages"]))
+            elif "prompt_token_ids" in row:
+                prompts.append({"prompt_token_ids": row["prompt_token_ids"]})
+            elif "prompt" in row:
+                prompts.append(row["prompt"])
+            else:
+                raise ValueError(f"{path}:{n}: needs 'prompt', 'prompt_token_ids' or 'messages'")
+            overrides = row.get("sampling_params") or {}
+            params.append(SamplingParams(**{**_as_dict(defaults), **overrides}))
+    return prompts, params
+
+
+def _as_dict(sp: SamplingParams) -> dict:
+    return {f: getattr(sp, f) for f in sp.__struct_fields__}
+
+
+def cmd_generate(args) -> int:
+    with build_llm(args) as llm:
+        prompts, params = read_requests(args.input, llm, default_sampling(args))
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - t0
+        with open(args.output, "w") as f:
+            for i, out in enumerate(outs):
+                c = out.outputs[0]
+                f.write(json.dumps({"index": i, "request_id": out.request_id, "prompt": out.prompt,
+                                    "text": c.text, "token_ids": c.token_ids,
+                                    "finish_reason": c.finish_reason,
+                                    "num_prompt_tokens": len(out.prompt_token_ids)}) + "\n")
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        print(f"{len(outs)} requests, {n_out} output tokens in {elapsed:.2f}s "
+              f"({n_out / elapsed:.1f} tok/s); stats: {json.dumps(llm.stats())}")
+    return 0
+
+
+DEMO_QUESTIONS = [
+    "What is the capital of France?",
+    "Give me three tips for staying healthy.",
+    "Explain in two sentences what a pipeline-parallel language model runtime does.",
+    "Write a haiku about distributed computing.",
+]
+
+
+def cmd_demo(args) -> int:
+    with build_llm(args) as llm:
+        prompts = [llm.render_chat([{"role": "user", "content": q}]) for q in DEMO_QUESTIONS]
+        sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp)
+        elapsed = time.perf_counter() - t0
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        for q, out in zip(DEMO_QUESTIONS, outs):
+            print(f"\n### {q}\n{out.outputs[0].text.strip()}")
+        print(f"\nPP={args.pipeline_parallel_size} on {args.device}: {len(outs)} requests, "
+              f"{n_out} output tokens in {elapsed:.2f}s = {n_out / elapsed:.1f} tok/s")
+        stats = llm.stats()
+        print(f"steps {stats['num_steps']}, driver step wall {stats['step_wall_s']:.2f}s, "
+              f"stage compute {[round(s, 2) for s in stats['stage_compute_s']]}s")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ray_runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="offline batch generation: jsonl in, jsonl out")
+    _engine_args(gen)
+    _sampling_args(gen)
+    gen.add_argument("--input", required=True)
+    gen.add_argument("--output", required=True)
+    demo = sub.add_parser("demo", help="chat answers from SmolLM2-135M-Instruct, with tok/s")
+    _engine_args(demo)
+    demo.add_argument("--max-tokens", type=int, default=96)
+    args = parser.parse_args(argv)
+    try:
+        return cmd_generate(args) if args.command == "generate" else cmd_demo(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,581 @@
+"""InputBatch against a plain model, slot reuse, and the SEEDS.md 1 scenario with a planted bug.
+
+No Ray, no torch: InputBatch is pure numpy. Capacities are small on purpose (6 rows, 64 tokens,
+blocks of 4) so that holes, full batches and row moves happen in almost every example.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from ray_runtime.messages import CachedRequestData, NewRequestData, StepPlan
+from ray_runtime.sampling_params import SamplingParams
+from stages.input_batch import POISON, InputBatch
+
+MAX_SEQS, MAX_LEN, BS = 6, 64, 4
+MAX_BLOCKS = -(-MAX_LEN // BS)
+REQ_POOL = [f"r{i}" for i in range(10)]  # ids are reused: a removed request may come back
+
+
+# ---- helpers shared by every test ----------------------------------------------------------
+@dataclass
+class ReqModel:
+    tokens: list[int]
+    num_prompt: int
+    num_computed: int
+    blocks: list[int]
+    sampling: SamplingParams
+    incarnation: int
+
+
+def batch_state(b: InputBatch):
+    """Everything in the batch, copied, for 'a rejected call changed nothing' checks."""
+    arrays = {name: getattr(b, name).copy() for name in (
+        "token_ids", "num_tokens_known", "num_prompt_tokens", "num_computed_tokens",
+        "block_table", "num_blocks", "incarnation", "last_sampled_token", "generation")}
+    return arrays, list(b.req_ids), dict(b.req_id_to_row), [id(s) for s in b.sampling]
+
+
+def assert_same_state(before, after) -> None:
+    arrays_b, ids_b, map_b, samp_b = before
+    arrays_a, ids_a, map_a, samp_a = after
+    for name in arrays_b:
+        np.testing.assert_array_equal(arrays_a[name], arrays_b[name], err_msg=name)
+    assert ids_a == ids_b and map_a == map_b and samp_a == samp_b
+
+
+def assert_hole_clear(b: InputBatch, row: int) -> None:
+    assert b.req_ids[row] is None
+    assert (b.token_ids[row] == POISON).all(), f"hole {row}: stale tokens"
+    for name in InputBatch._ROW_SCALARS:
+        expected = POISON if name == "last_sampled_token" else 0
+        assert getattr(b, name)[row] == expected, f"hole {row}: {name}={getattr(b, name)[row]}"
+    assert (b.block_table[row] == 0).all(), f"hole {row}: stale block ids"
+    assert b.sampling[row] is None
+
+
+def assert_row_matches(b: InputBatch, req_id: str, m: ReqModel) -> None:
+    row = b.req_id_to_row[req_id]
+    where = f"{req_id!r} (row {row})"
+    known = len(m.tokens)
+    assert b.req_ids[row] == req_id
+    assert b.num_tokens_known[row] == known, f"{where}: known {b.num_tokens_known[row]} != {known}"
+    assert b.token_ids[row, :known].tolist() == m.tokens, f"{where}: known prefix differs"
+    assert (b.token_ids[row, known:] == POISON).all(), f"{where}: stale tokens past the prefix"
+    assert b.num_prompt_tokens[row] == m.num_prompt
+    assert b.num_computed_tokens[row] == m.num_computed
+    assert b.num_blocks[row] == len(m.blocks)
+    assert b.block_table[row, :len(m.blocks)].tolist() == m.blocks, f"{where}: block table"
+    assert (b.block_table[row, len(m.blocks):] == 0).all(), f"{where}: stale block ids"
+    assert b.sampling[row] is m.sampling, f"{where}: another request's SamplingParams"
+    assert b.incarnation[row] == m.incarnation
+    assert b.last_sampled_token[row] == m.tokens[-1], f"{where}: last_sampled_token"
+
+
+def assert_matches_model(b: InputBatch, model: dict[str, ReqModel]) -> None:
+    assert set(b.req_id_to_row) == set(model)
+    assert b.num_reqs == len(model)
+    for req_id, m in model.items():
+        assert_row_matches(b, req_id, m)
+    live_rows = set(b.req_id_to_row.values())
+    assert len(live_rows) == len(model)
+    for row in range(b.max_num_seqs):
+        if row not in live_rows:
+            assert_hole_clear(b, row)
+
+
+sampling_params = st.builds(
+    SamplingParams,
+    max_tokens=st.integers(1, 32),
+    temperature=st.sampled_from([0.0, 0.7, 1.0]),
+    top_k=st.sampled_from([0, -1, 5]),
+    seed=st.one_of(st.none(), st.integers(0, 2**31)),
+)
+
+
+def _ids(data, n: int, low: int, high: int, label: str) -> list[int]:
+    """n ids from a drawn seed: drawing each id through hypothesis is slow and buys nothing."""
+    if n == 0:
+        return []
+    seed = data.draw(st.integers(0, 2**32 - 1), label=label)
+    return np.random.default_rng(seed).integers(low, high, n).tolist()
+
+
+def _room(m: ReqModel) -> int:
+    return min(len(m.tokens), len(m.blocks) * BS) - m.num_computed
+
+
+# ---- 1. the stateful model test ------------------------------------------------------------
+class InputBatchMachine(RuleBasedStateMachine):
+    @initialize()
+    def setup(self):
+        self.batch = InputBatch(MAX_SEQS, MAX_LEN, BS)
+        self.model: dict[str, ReqModel] = {}
+        self.rows: dict[str, int] = {}  # where the model expects each request
+
+    # -- strategies that depend on the state
+    def _live(self, data, pred=lambda m: True) -> str:
+        ids = sorted(r for r, m in self.model.items() if pred(m))
+        assert ids, "a precondition should have ruled this out"
+        return data.draw(st.sampled_from(ids), label="req_id")
+
+    def _any_live(self, pred=lambda m: True) -> bool:
+        return any(pred(m) for m in self.model.values())
+
+    def _new_request(self, data, req_id: str, resumed: Optional[bool] = None) -> NewRequestData:
+        """resumed: a preempted/disaggregated request, arriving with outputs and with KV
+        (num_computed_tokens > 0); fresh: prompt only, nothing computed; None: either."""
+        if resumed is None:
+            resumed = data.draw(st.booleans(), label="resumed")
+        n = data.draw(st.integers(2 if resumed else 1, MAX_LEN), label="num_tokens")
+        tokens = _ids(data, n, 0, 50_000, "tokens")
+        if resumed:
+            num_prompt = data.draw(st.integers(1, n - 1), label="num_prompt")
+            computed = data.draw(st.integers(1, n), label="num_computed")
+        else:
+            num_prompt, computed = n, 0
+        nblocks = data.draw(st.integers(-(-computed // BS), MAX_BLOCKS), label="num_blocks")
+        blocks = _ids(data, nblocks, 1, 10_000, "blocks")
+        return NewRequestData(req_id=req_id, incarnation=data.draw(st.integers(1, 100)),
+                              token_ids=tokens, num_prompt_tokens=num_prompt,
+                              num_computed_tokens=computed, block_ids=blocks,
+                              sampling=data.draw(sampling_params))
+
+    def _admit(self, new: NewRequestData, row: int, generation_before: np.ndarray) -> None:
+        assert generation_before[row] + 1 == self.batch.generation[row], "generation not bumped"
+        self.model[new.req_id] = ReqModel(list(new.token_ids), new.num_prompt_tokens,
+                                          new.num_computed_tokens, list(new.block_ids),
+                                          new.sampling, new.incarnation)
+        self.rows[new.req_id] = row
+
+    # -- rules
+    @precondition(lambda self: len(self.model) < MAX_SEQS)
+    @rule(data=st.data(), resumed=st.booleans())
+    def add(self, data, resumed):
+        req_id = data.draw(st.sampled_from([r for r in REQ_POOL if r not in self.model]))
+        new = self._new_request(data, req_id, resumed)
+        holes = {r for r in range(MAX_SEQS) if self.batch.req_ids[r] is None}
+        gen = self.batch.generation.copy()
+        row = self.batch.add(new)
+        assert row in holes, f"add put {req_id!r} in live row {row}"
+        others = [r for r in range(MAX_SEQS) if r != row]
+        assert (self.batch.generation[others] == gen[others]).all()
+        self._admit(new, row, gen)
+
+    @precondition(lambda self: len(self.model) < MAX_SEQS)
+    @rule(data=st.data(), resumed=st.booleans())
+    def add_more(self, data, resumed):
+        """Twice the weight for admissions, so that full batches are frequent."""
+        self.add(data, resumed)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def add_rejected(self, data):
+        """A duplicate id, or a full batch: an exception, and nothing changed."""
+        if len(self.model) < MAX_SEQS:
+            req_id = self._live(data)
+            exc = ValueError
+        else:
+            req_id = data.draw(st.sampled_from([r for r in REQ_POOL if r not in self.model]))
+            exc = RuntimeError
+        new = self._new_request(data, req_id)
+        before = batch_state(self.batch)
+        with pytest.raises(exc):
+            self.batch.add(new)
+        assert_same_state(before, batch_state(self.batch))
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def remove(self, data):
+        req_id = self._live(data)
+        self.batch.remove(req_id)
+        del self.model[req_id]
+        del self.rows[req_id]
+
+    @rule()
+    def condense(self):
+        n = len(self.model)
+        before = dict(self.rows)
+        self.batch.condense()
+        after = dict(self.batch.req_id_to_row)
+        assert sorted(after.values()) == list(range(n)), f"rows not [0, {n}) after condense"
+        for req_id, row in before.items():
+            if row < n:
+                assert after[req_id] == row, f"{req_id!r} moved although it was in place"
+        self.rows = after
+
+    @rule(data=st.data())
+    def swap(self, data):
+        # arbitrary rows, live or hole, with live rows favoured (most rows are holes otherwise)
+        any_row = st.integers(0, MAX_SEQS - 1)
+        row = st.one_of(st.sampled_from(sorted(self.rows.values())), any_row) \
+            if self.rows else any_row
+        a, b = data.draw(row, label="a"), data.draw(row, label="b")
+        self.batch.swap(a, b)
+        swapped = {a: b, b: a}
+        self.rows = {r: swapped.get(row, row) for r, row in self.rows.items()}
+
+    @precondition(lambda self: self._any_live(lambda m: len(m.tokens) < MAX_LEN))
+    @rule(data=st.data())
+    def append_tokens(self, data):
+        req_id = self._live(data, lambda m: len(m.tokens) < MAX_LEN)
+        m = self.model[req_id]
+        k = data.draw(st.integers(1, MAX_LEN - len(m.tokens)), label="k")
+        new_ids = _ids(data, k, 0, 50_000, "new_ids")
+        self.batch.append_tokens(req_id, new_ids)
+        m.tokens.extend(new_ids)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def append_tokens_overflow(self, data):
+        req_id = self._live(data)
+        k = MAX_LEN - len(self.model[req_id].tokens) + data.draw(st.integers(1, 3))
+        before = batch_state(self.batch)
+        with pytest.raises(ValueError):
+            self.batch.append_tokens(req_id, [7] * k)
+        assert_same_state(before, batch_state(self.batch))
+
+    @precondition(lambda self: self._any_live(lambda m: _room(m) > 0))
+    @rule(data=st.data())
+    def mark_computed(self, data):
+        # never past the known count, nor past the KV blocks the request holds
+        req_id = self._live(data, lambda m: _room(m) > 0)
+        m = self.model[req_id]
+        n = data.draw(st.integers(1, _room(m)), label="n")
+        self.batch.mark_computed(req_id, n)
+        m.num_computed += n
+
+    def _delta(self, data, req_id: str) -> CachedRequestData:
+        m = self.model[req_id]
+        k = data.draw(st.integers(0, min(3, MAX_LEN - len(m.tokens))), label="k")
+        nb = data.draw(st.integers(0, min(3, MAX_BLOCKS - len(m.blocks))), label="nb")
+        return CachedRequestData(
+            req_id=req_id,
+            new_token_ids=_ids(data, k, 0, 50_000, "new_token_ids"),
+            new_block_ids=_ids(data, nb, 1, 10_000, "new_block_ids"),
+            num_computed_tokens=m.num_computed)
+
+    def _apply_delta_to_model(self, delta: CachedRequestData) -> None:
+        m = self.model[delta.req_id]
+        m.tokens.extend(delta.new_token_ids)
+        m.blocks.extend(delta.new_block_ids)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def update(self, data):
+        delta = self._delta(data, self._live(data))
+        self.batch.update(delta)
+        self._apply_delta_to_model(delta)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def update_wrong_computed(self, data):
+        req_id = self._live(data)
+        delta = self._delta(data, req_id)
+        right = self.model[req_id].num_computed
+        wrong = (right + data.draw(st.integers(1, MAX_LEN))) % (MAX_LEN + 1)
+        delta = CachedRequestData(delta.req_id, delta.new_token_ids, delta.new_block_ids, wrong)
+        before = batch_state(self.batch)
+        with pytest.raises(AssertionError):
+            self.batch.update(delta)
+        assert_same_state(before, batch_state(self.batch))
+
+    @rule(data=st.data())
+    def apply_plan(self, data):
+        """A whole driver step: removals, condense, admissions into the freed rows, deltas."""
+        removed = data.draw(st.lists(st.sampled_from(sorted(self.model)), unique=True,
+                                     max_size=3)) if self.model else []
+        for req_id in removed:
+            del self.model[req_id]
+            del self.rows[req_id]
+        free_ids = [r for r in REQ_POOL if r not in self.model and r not in removed]
+        num_new = data.draw(st.integers(0, min(2, MAX_SEQS - len(self.model), len(free_ids))))
+        new_ids = data.draw(st.lists(st.sampled_from(free_ids), unique=True,
+                                     min_size=num_new, max_size=num_new)) if num_new else []
+        new_reqs = [self._new_request(data, r) for r in new_ids]
+        cached_ids = data.draw(st.lists(st.sampled_from(sorted(self.model)), unique=True)) \
+            if self.model else []
+        cached = [self._delta(data, r) for r in cached_ids]
+        plan = StepPlan(step_id=0, removed_req_ids=removed, new_reqs=new_reqs,
+                        cached_reqs=cached, scheduled_req_ids=[], num_scheduled_tokens=[])
+        gen = self.batch.generation.copy()
+        survivors = len(self.model)
+        self.batch.apply_plan(plan)
+        # survivors were condensed into [0, survivors); admissions fill the next rows
+        rows = self.batch.req_id_to_row
+        assert sorted(rows[r] for r in self.model) == list(range(survivors))
+        assert sorted(rows[n.req_id] for n in new_reqs) == \
+            list(range(survivors, survivors + len(new_reqs)))
+        for delta in cached:
+            self._apply_delta_to_model(delta)
+        for new in new_reqs:
+            # the generation is bumped exactly once per admission into a row
+            self._admit(new, rows[new.req_id], gen)
+        self.rows = {r: rows[r] for r in self.model}
+
+    # -- after every rule
+    @invariant()
+    def consistent(self):
+        self.batch.check()
+        assert self.batch.req_id_to_row == self.rows
+        assert_matches_model(self.batch, self.model)
+
+
+InputBatchMachine.TestCase.settings = settings(
+    max_examples=50, stateful_step_count=40, deadline=None, database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+TestInputBatchMachine = InputBatchMachine.TestCase
+
+
+# ---- 2. slot reuse (SEEDS.md 3) ------------------------------------------------------------
+def _request_a() -> NewRequestData:
+    return NewRequestData(req_id="A", incarnation=1, token_ids=list(range(100, 120)),
+                          num_prompt_tokens=20, num_computed_tokens=0,
+                          block_ids=[1, 2, 3, 4, 5], sampling=SamplingParams(temperature=0.0))
+
+
+def _request_b() -> NewRequestData:
+    # resumed / disaggregated: arrives already prefilled, and shorter than A's known prefix
+    return NewRequestData(req_id="B", incarnation=3, token_ids=list(range(7, 17)),
+                          num_prompt_tokens=7, num_computed_tokens=9,
+                          block_ids=[40, 41, 42], sampling=SamplingParams(temperature=0.8, seed=5))
+
+
+def _assert_row_is_b(b: InputBatch, row: int, new_b: NewRequestData, gen_a: int) -> None:
+    n = len(new_b.token_ids)
+    assert b.req_id_to_row == {"B": row} and b.req_ids[row] == "B"
+    assert b.token_ids[row, :n].tolist() == new_b.token_ids
+    assert (b.token_ids[row, n:] == POISON).all(), "A's tokens survived past B's prefix"
+    assert b.num_tokens_known[row] == n
+    assert b.num_prompt_tokens[row] == new_b.num_prompt_tokens
+    assert b.num_computed_tokens[row] == new_b.num_computed_tokens
+    assert b.last_sampled_token[row] == new_b.token_ids[-1], "A's last token would feed B"
+    assert b.num_blocks[row] == len(new_b.block_ids)
+    assert b.block_table[row, :3].tolist() == new_b.block_ids
+    assert (b.block_table[row, 3:] == 0).all(), "A's block ids survived in B's block table"
+    assert b.sampling[row] is new_b.sampling
+    assert b.incarnation[row] == new_b.incarnation
+    assert b.generation[row] == gen_a + 1
+    b.check()
+
+
+def test_slot_reuse_initializes_every_field():
+    b = InputBatch(4, 64, 4)
+    row = b.add(_request_a())
+    gen_a = int(b.generation[row])
+    b.mark_computed("A", 20)
+    b.update(CachedRequestData("A", [500, 501, 502], [6, 7], 20))
+    b.append_tokens("A", [503, 504])
+    b.mark_computed("A", 4)
+    assert b.last_sampled_token[row] == 504 and b.num_tokens_known[row] == 25
+    b.check()
+
+    b.remove("A")
+    assert_hole_clear(b, row)
+    new_b = _request_b()
+    assert b.add(new_b) == row
+    _assert_row_is_b(b, row, new_b, gen_a)
+
+
+def test_slot_reuse_through_one_plan():
+    """The driver's path: A's removal and B's admission in the same StepPlan."""
+    b = InputBatch(4, 64, 4)
+    b.apply_plan(StepPlan(0, [], [_request_a()], [], ["A"], [20]))
+    b.mark_computed("A", 20)
+    b.apply_plan(StepPlan(1, [], [], [CachedRequestData("A", [500], [6], 20)], ["A"], [1]))
+    b.mark_computed("A", 1)
+    row = b.req_id_to_row["A"]
+    gen_a = int(b.generation[row])
+    assert b.last_sampled_token[row] == 500
+    new_b = _request_b()
+    b.apply_plan(StepPlan(2, ["A"], [new_b], [], ["B"], [1]))
+    assert b.req_id_to_row["B"] == row
+    _assert_row_is_b(b, row, new_b, gen_a)
+
+
+# ---- 3 and 4. SEEDS.md 1: a row moves during chunked prefill -------------------------------
+@dataclass
+class _DriverReq:
+    req_id: str
+    prompt: list[int]
+    max_tokens: int
+    chunk: int  # the most tokens scheduled per step (the token budget share)
+    outputs: list[int] = field(default_factory=list)
+    computed: int = 0
+    sent: int = 0  # tokens already in the ranks' batches
+    blocks: list[int] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.outputs
+
+
+def run_chunked_prefill_scenario(batch_cls=InputBatch, *, use_check: bool = True,
+                                 compare_counters: bool = True) -> int:
+    """A driver as the scheduler runs it (sync: one plan, forward, commit), against one rank's
+    batch. Long request L (50-token prompt, chunks of 8) sits in the last row while short
+    requests in earlier rows decode and finish at staggered steps, so condense moves L twice
+    while it is still in chunked prefill. After every plan and every mark_computed the batch
+    is checked (check(), if use_check) and compared with the driver's truth: the row's first
+    len(prompt) tokens are the prompt, then (if compare_counters) the counters. Returns how
+    many times L moved during its prefill."""
+    rng = np.random.default_rng(0)
+    batch = batch_cls(max_num_seqs=6, max_model_len=64, block_size=4)
+    reqs = [
+        _DriverReq("S0", rng.integers(3, 1000, 3).tolist(), max_tokens=2, chunk=64),
+        _DriverReq("S1", rng.integers(3, 1000, 3).tolist(), max_tokens=3, chunk=64),
+        _DriverReq("S2", rng.integers(3, 1000, 3).tolist(), max_tokens=1, chunk=64),
+        _DriverReq("L", rng.integers(3, 1000, 50).tolist(), max_tokens=3, chunk=8),
+    ]
+    long_req = reqs[-1]
+    running = list(reqs)
+    removed: list[str] = []
+    next_block = 1
+    moves_in_prefill = 0
+    last_row: Optional[int] = None
+
+    def verify(when: str) -> None:
+        if use_check:
+            batch.check()
+        for r in running:
+            row = batch.req_id_to_row[r.req_id]
+            n = len(r.prompt)
+            assert batch.token_ids[row, :n].tolist() == r.prompt, \
+                f"{when}: {r.req_id!r} row {row}: prompt tail lost " \
+                f"({int((batch.token_ids[row, :n] == POISON).sum())} POISON tokens)"
+        if not compare_counters:
+            return
+        for r in running:
+            row = batch.req_id_to_row[r.req_id]
+            assert batch.num_tokens_known[row] == r.sent, \
+                f"{when}: {r.req_id!r}: known {int(batch.num_tokens_known[row])} != {r.sent}"
+            assert batch.token_ids[row, :r.sent].tolist() == r.tokens[:r.sent]
+            assert batch.num_computed_tokens[row] == r.computed
+
+    for step in range(20):
+        if not running:
+            break
+        new_reqs, cached, scheduled, num_sched = [], [], [], []
+        for r in running:
+            n = min(len(r.tokens) - r.computed, r.chunk)
+            need = -(-(r.computed + n) // 4) - len(r.blocks)
+            new_blocks = list(range(next_block, next_block + need))
+            next_block += need
+            r.blocks += new_blocks
+            if r.sent == 0:
+                new_reqs.append(NewRequestData(
+                    req_id=r.req_id, incarnation=1, token_ids=list(r.tokens),
+                    num_prompt_tokens=len(r.prompt), num_computed_tokens=0,
+                    block_ids=new_blocks, sampling=SamplingParams(max_tokens=r.max_tokens)))
+            else:
+                # during L's chunked prefill: no new tokens, only blocks
+                cached.append(CachedRequestData(
+                    req_id=r.req_id, new_token_ids=r.tokens[r.sent:], new_block_ids=new_blocks,
+                    num_computed_tokens=r.computed))
+            r.sent = len(r.tokens)
+            scheduled.append(r.req_id)
+            num_sched.append(n)
+        plan = StepPlan(step, removed, new_reqs, cached, scheduled, num_sched)
+        batch.apply_plan(plan)
+        verify(f"step {step} after apply_plan")
+
+        row = batch.req_id_to_row[long_req.req_id]
+        if last_row is not None and row != last_row and long_req.computed < len(long_req.prompt):
+            moves_in_prefill += 1
+            # the moved row holds the whole prompt and its counter stayed at the prompt length
+            assert batch.token_ids[row, :len(long_req.prompt)].tolist() == long_req.prompt
+            if compare_counters:
+                assert batch.num_tokens_known[row] == len(long_req.prompt)
+                assert batch.num_computed_tokens[row] < batch.num_tokens_known[row]
+        last_row = row
+
+        for r, n in zip(running, num_sched):
+            batch.mark_computed(r.req_id, n)
+            r.computed += n
+        verify(f"step {step} after mark_computed")
+
+        # the last rank samples for every request that reached the end of its known prefix
+        removed = []
+        for r in list(running):
+            if r.computed == len(r.tokens):
+                r.outputs.append(1000 + 10 * step + len(r.outputs))
+                if len(r.outputs) >= r.max_tokens:
+                    running.remove(r)
+                    removed.append(r.req_id)
+    assert not running, "scenario did not finish"
+    assert len(long_req.outputs) == long_req.max_tokens
+    return moves_in_prefill
+
+
+def test_row_moves_during_chunked_prefill_keep_the_prompt():
+    assert run_chunked_prefill_scenario(InputBatch) == 2
+
+
+class BuggyInputBatch(InputBatch):
+    """vLLM's bug (SEEDS.md 1): on update, the known-prefix counter is rebuilt from
+    num_computed_tokens instead of growing from its own value."""
+
+    def update(self, delta: CachedRequestData) -> None:
+        super().update(delta)
+        row = self.req_id_to_row[delta.req_id]
+        self.num_tokens_known[row] = delta.num_computed_tokens + len(delta.new_token_ids)
+
+
+def test_planted_counter_bug_is_caught_by_check():
+    with pytest.raises(AssertionError, match="shorter than its prompt"):
+        run_chunked_prefill_scenario(BuggyInputBatch)
+
+
+def test_planted_counter_bug_loses_the_prompt_tail_on_a_move():
+    """Without check() and the counter comparison, the same scenario sees what vLLM's first
+    rank embedded: after the next condense, the moved row's prompt tail is POISON."""
+    with pytest.raises(AssertionError, match="step 2 after apply_plan: 'L' row 0: prompt tail"):
+        run_chunked_prefill_scenario(BuggyInputBatch, use_check=False, compare_counters=False)
+
+
+def test_content_only_detector_passes_on_the_real_class():
+    assert run_chunked_prefill_scenario(InputBatch, use_check=False, compare_counters=False) == 2
+
+
+def test_planted_bug_is_harmless_outside_chunked_prefill():
+    """Sanity of the planted bug: for decode-only deltas it computes the right counter,
+    which is why only chunked prefill (computed < prompt) exposed it."""
+    b = BuggyInputBatch(2, 64, 4)
+    b.add(NewRequestData("D", 1, [1, 2, 3], 3, 0, [1], SamplingParams()))
+    b.mark_computed("D", 3)
+    b.update(CachedRequestData("D", [9], [], 3))
+    b.check()
+    assert b.num_tokens_known[0] == 4
+
+
+# ---- known defect: the per-row generation counter moves with the request -----------------
+@pytest.mark.xfail(strict=True, reason="InputBatch._snapshot/_restore move `generation` with "
+                   "the request (condense, swap), though it is documented as the row's tenant "
+                   "count, 'not moved'; a row's generation can go back and repeat")
+def test_generation_is_per_row():
+    b = InputBatch(4, 64, 4)
+
+    def new(req_id: str) -> NewRequestData:
+        return NewRequestData(req_id, 1, [5, 6], 2, 0, [1], SamplingParams())
+
+    gens_row0 = []
+    b.add(new("a1"))
+    gens_row0.append(int(b.generation[0]))
+    b.add(new("b"))  # row 1, generation 1
+    for req_id in ("a2", "a3"):  # row 0's 2nd and 3rd tenants
+        b.remove(b.req_ids[0])
+        assert b.add(new(req_id)) == 0
+        gens_row0.append(int(b.generation[0]))
+    b.remove("a3")
+    b.condense()  # b moves from row 1 into row 0 and takes its generation (1) along
+    b.remove("b")
+    assert b.add(new("c")) == 0  # row 0's 5th tenant (b was the 4th)
+    gens_row0.append(int(b.generation[0]))
+    # each tenant of row 0 must get a fresh generation; the code gives [1, 2, 3, 2]
+    assert gens_row0 == sorted(set(gens_row0)), f"row 0 generations {gens_row0} repeat"
