@@ -328,7 +328,7 @@ class InputBatchMachine(RuleBasedStateMachine):
 
 
 InputBatchMachine.TestCase.settings = settings(
-    max_examples=50, stateful_step_count=40, deadline=None, database=None,
+    max_examples=40, stateful_step_count=40, deadline=None, database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestInputBatchMachine = InputBatchMachine.TestCase
 
