@@ -45,17 +45,18 @@ class LLM:
                  dtype: str = "float32", max_num_seqs: int = 64, max_num_batched_tokens: int = 256,
                  block_size: int = 16, num_kv_blocks: Optional[int] = None,
                  pp_layer_partition: Union[str, Sequence[int], None] = None,
-                 async_scheduling: bool = False, max_model_len: Optional[int] = None,
-                 tokenizer: Optional[str] = None, **engine_kwargs) -> None:
-        if async_scheduling:
-            raise NotImplementedError(
-                "async_scheduling=True is not implemented yet; use async_scheduling=False")
+                 async_scheduling: bool = True, max_model_len: Optional[int] = None,
+                 tokenizer: Optional[str] = None, trace_file: Optional[str] = None,
+                 on_mismatch: str = "repair", **engine_kwargs) -> None:
+        if trace_file is not None:
+            trace_file = os.path.abspath(trace_file)
         self.config = EngineConfig(
             model=model, pipeline_parallel_size=pipeline_parallel_size, device=device,
             dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size, num_kv_blocks=num_kv_blocks,
             pp_layer_partition=parse_partition(pp_layer_partition),
-            async_scheduling=async_scheduling, max_model_len=max_model_len, **engine_kwargs)
+            async_scheduling=async_scheduling, max_model_len=max_model_len,
+            trace_file=trace_file, on_mismatch=on_mismatch, **engine_kwargs)
         # Every check that can fail on the config fails here, before any actor starts.
         spec = ModelSpec.from_dir(model)
         stage_layer_ranges(spec.num_layers, pipeline_parallel_size, self.config.pp_layer_partition)
@@ -160,6 +161,11 @@ class LLM:
     # ---- engine --------------------------------------------------------------------------
     def stats(self) -> dict:
         return ray.get(self._driver.stats.remote())
+
+    def set_fault_hook(self, rank: int, hook) -> None:
+        """Tests only: `hook(batch, plan)` runs on stage `rank` after each plan is applied,
+        to corrupt its bookkeeping and prove that the audit catches it."""
+        ray.get(self._driver.set_fault_hook.remote(rank, hook))
 
     def check(self) -> None:
         """Run every invariant check: scheduler, block pool, and each rank's InputBatch."""

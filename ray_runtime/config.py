@@ -29,7 +29,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 256
     max_model_len: Optional[int] = None  # None: the checkpoint's max_position_embeddings
-    async_scheduling: bool = False
+    async_scheduling: bool = True
+    on_mismatch: str = "repair"  # what the driver does when a rank's digest disagrees: or "raise"
+    trace_file: Optional[str] = None  # Chrome trace / Perfetto JSON of the pipeline
     placement_strategy: str = "PACK"
     num_cpus_per_stage: float = 1.0
     torch_threads_per_stage: int = 1
@@ -57,6 +59,8 @@ class EngineConfig:
         if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
             raise bad("placement_strategy", f"must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, "
                                             f"got {self.placement_strategy!r}")
+        if self.on_mismatch not in ("repair", "raise"):
+            raise bad("on_mismatch", f"must be 'repair' or 'raise', got {self.on_mismatch!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise bad("kv_cache_memory_fraction", f"must be in (0, 1], got {self.kv_cache_memory_fraction}")
 

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import ray
 from ray.util.placement_group import remove_placement_group
 
 from ray_runtime.cluster import create_placement_group, start_stages
 from ray_runtime.config import EngineConfig, stage_layer_ranges
-from ray_runtime.messages import FinishedRequest, RequestSpec, decode_result, encode
+from ray_runtime.messages import FinishedRequest, RequestSpec, StageStepResult, decode_result, encode
+from ray_runtime.reconcile import BookkeepingMismatch, audit
 from ray_runtime.request import Request
-from ray_runtime.scheduler import Scheduler
+from ray_runtime.scheduler import PlanRecord, Scheduler
+from ray_runtime.trace import PipelineTrace
 from stages.model_spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -43,16 +46,26 @@ class Driver:
         self.stages = start_stages(config, self.pg, layer_ranges, self.max_model_len)
         self.num_kv_blocks = self._size_kv_pool()
         ray.get([s.init_kv_cache.remote(self.num_kv_blocks) for s in self.stages])
+        pp = config.pipeline_parallel_size
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             num_kv_blocks=self.num_kv_blocks, block_size=config.block_size,
-            max_model_len=self.max_model_len)
+            max_model_len=self.max_model_len,
+            allow_placeholders=config.async_scheduling and pp == 1)
+        # pp plans keep every stage busy; one more waits at stage 0 so that it starts the
+        # next step while the driver is still reconciling the last rank's result.
+        self.max_inflight = pp + 1 if config.async_scheduling else 1
+        self._inflight: deque[tuple[PlanRecord, list]] = deque()
         self.eos_token_ids = frozenset(self.spec.eos_token_ids)
+        self.trace = PipelineTrace(pp, record_events=config.trace_file is not None)
         self._arrivals = 0
-        self._stage_compute_s = [0.0] * config.pipeline_parallel_size
-        self._step_wall_s = 0.0
         self._num_requests_finished = 0
         self._num_prompt_tokens = 0
+        self._num_mismatches = 0
+        self._digest_s = [0.0] * pp
+        self._audit_s = 0.0
+        self._plan_s = 0.0
+        self._wait_s = 0.0
 
     def _size_kv_pool(self) -> int:
         bs = self.config.block_size
@@ -77,24 +90,65 @@ class Driver:
             self._arrivals += 1
             self._num_prompt_tokens += len(spec.prompt_token_ids)
         finished: list[FinishedRequest] = []
-        while sched.has_unfinished():
-            self._step()
+        self.trace.reset_window()
+        while sched.has_unfinished() or self._inflight:
+            self._fill_pipeline()
+            if not self._inflight:
+                raise RuntimeError("scheduler has unfinished requests but planned nothing")
+            self._complete_oldest()
             finished.extend(self._collect(sched.pop_finished()))
+        if self.config.trace_file:
+            self.trace.write(self.config.trace_file)
         return finished
 
-    def _step(self) -> None:
-        t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
-        if plan is None:
-            raise RuntimeError("scheduler has unfinished requests but planned nothing")
-        plan_ref = ray.put(encode(plan))
-        results = [decode_result(r) for r in ray.get([s.execute.remote(plan_ref) for s in self.stages])]
-        for res in results:
-            self._stage_compute_s[res.rank] += res.compute_s
-        self.scheduler.update_from_output(plan, results[-1].sampler_output)
+    def _fill_pipeline(self) -> None:
+        """Plan and launch steps until max_inflight are out or nothing more can run now:
+        the driver never waits on a stage while it could plan."""
+        while len(self._inflight) < self.max_inflight:
+            t0 = time.time()
+            record = self.scheduler.schedule()
+            if record is None:
+                break
+            plan_ref = ray.put(encode(record.plan))  # one copy, read by every stage
+            futures = [s.execute.remote(plan_ref) for s in self.stages]
+            self._inflight.append((record, futures))
+            t1 = time.time()
+            self._plan_s += t1 - t0
+            self.trace.driver_span("plan", t0, t1, step=record.plan.step_id,
+                                   reqs=len(record.plan.scheduled_req_ids))
+
+    def _complete_oldest(self) -> None:
+        record, futures = self._inflight.popleft()
+        t0 = time.time()
+        results = [decode_result(r) for r in ray.get(futures)]
+        t1 = time.time()
+        self._wait_s += t1 - t0
+        self.trace.driver_span("wait", t0, t1, step=record.plan.step_id)
+        discard = self._reconcile(record, results)
+        t2 = time.time()
+        self._audit_s += t2 - t1
+        self.trace.driver_span("reconcile", t1, t2, step=record.plan.step_id)
+        self.scheduler.update_from_output(record, results[-1].sampler_output, discard)
+        for req_id in discard:
+            self.scheduler.preempt(req_id)  # recomputed from the driver's tokens
         if self.config.debug_checks:
             self.scheduler.check()
-        self._step_wall_s += time.perf_counter() - t0
+        self.trace.driver_span("output", t2, time.time(), step=record.plan.step_id)
+
+    def _reconcile(self, record: PlanRecord, results: list[StageStepResult]) -> frozenset[str]:
+        """Audit every rank's digests; repair by recompute, or raise."""
+        bad: set[str] = set()
+        last = self.config.pipeline_parallel_size - 1
+        for res in results:
+            self.trace.stage_step(res.rank, res.step_id, res.timing)
+            self._digest_s[res.rank] += res.timing.digest_s
+            for m in audit(record.expected, res.digests, res.rank, res.rank == last):
+                self._num_mismatches += 1
+                logger.warning("%s (step %d)", m, record.plan.step_id)
+                if self.config.on_mismatch == "raise":
+                    raise BookkeepingMismatch(f"{m} (step {record.plan.step_id})")
+                bad.add(m.req_id)
+        return frozenset(bad)
 
     def _collect(self, done: list[Request]) -> list[FinishedRequest]:
         out = []
@@ -112,14 +166,20 @@ class Driver:
         return out
 
     def stats(self) -> dict:
-        s = self.scheduler
+        s, t = self.scheduler, self.trace
         return {"num_steps": s.num_steps, "num_preemptions": s.num_preemptions,
                 "num_generated_tokens": s.num_generated_tokens,
                 "num_prompt_tokens": self._num_prompt_tokens,
                 "num_scheduled_tokens": s.num_scheduled_tokens_total,
+                "num_placeholder_tokens": s.num_placeholder_tokens,
                 "num_requests_finished": self._num_requests_finished,
                 "num_kv_blocks": self.num_kv_blocks, "num_free_kv_blocks": s.blocks.num_free_blocks,
-                "step_wall_s": self._step_wall_s, "stage_compute_s": list(self._stage_compute_s)}
+                "bookkeeping_mismatches": self._num_mismatches,
+                "async_scheduling": self.config.async_scheduling,
+                "driver_plan_s": self._plan_s, "driver_wait_s": self._wait_s,
+                "driver_audit_s": self._audit_s, "stage_digest_s": list(self._digest_s),
+                "stage_busy_s": list(t.busy_s), "stage_idle_s": list(t.idle_s),
+                "stage_idle_fraction": t.idle_fractions()}
 
     def check(self) -> None:
         self.scheduler.check()

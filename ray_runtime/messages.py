@@ -29,7 +29,8 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     """A request already in the ranks' batches: only what changed since the last plan naming it."""
 
     req_id: str
-    new_token_ids: list[int]  # appended to the known prefix, never overwriting it
+    token_start: int  # position of new_token_ids[0] in the request's token sequence
+    new_token_ids: list[int]  # tokens [token_start, token_start + len) of the driver's view
     new_block_ids: list[int]
     num_computed_tokens: int  # the driver's count before this step, checked by every rank
 
@@ -62,12 +63,37 @@ class SamplerOutput(msgspec.Struct, array_like=True):
     num_logprob_ranks: Optional[list[int]] = None  # rank of the chosen token (1 = most likely)
 
 
+class RowDigest(msgspec.Struct, array_like=True):
+    """One rank's bookkeeping for one request, right after it applied a plan, over the
+    prefix the driver has told it about (see ray_runtime/digest.py)."""
+
+    req_id: str
+    incarnation: int
+    num_tokens_known: int  # the row's own counter
+    hash_length: int  # the driver's count of known tokens, as the plan stated it
+    num_computed_tokens: int
+    token_hash: int  # over token_ids[:hash_length] as the row holds them
+    num_conflicts: int  # driver tokens that disagreed with what the row already held
+
+
+class StageTiming(msgspec.Struct, array_like=True):
+    """Wall-clock marks (time.time(), seconds) of one step on one stage, for the trace."""
+
+    start: float  # the stage picked the plan up
+    recv_done: float  # activations from the previous stage arrived (== start on rank 0)
+    compute_done: float  # layers (and sampler) done
+    end: float  # activations handed to the transport / result encoded
+    digest_s: float  # time spent fingerprinting rows for the audit
+
+
 class StageStepResult(msgspec.Struct, array_like=True):
-    """What every stage returns for a step: the sampler output on the last rank."""
+    """What every stage returns for a step: timings and digests on every rank, the sampler
+    output on the last rank."""
 
     step_id: int
     rank: int
-    compute_s: float
+    timing: StageTiming
+    digests: list[RowDigest]
     sampler_output: Optional[SamplerOutput] = None
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from typing import Optional
 
+from ray_runtime.digest import extend_hash
 from ray_runtime.sampling_params import SamplingParams
 
 
@@ -24,8 +25,13 @@ class Request:
         self.sampling = sampling
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + committed outputs
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.num_computed_tokens = 0  # tokens whose KV the ranks hold (as scheduled so far)
+        self.token_hash = extend_hash(0, 0, self.token_ids)  # digest.py, over token_ids
+        # Scheduled so far (optimistic: counted when planned). With async placeholders it
+        # may run one ahead of num_tokens: the token being computed is still in flight.
+        self.num_computed_tokens = 0
         self.num_tokens_sent = 0  # prefix of token_ids that the ranks' rows hold
+        self.num_inflight_steps = 0  # planned steps of this incarnation not yet returned
+        self.num_pending_samples = 0  # of those, the ones that will sample a token
         self.incarnation = 0  # bumped on every admission into the ranks' batches
         self.status = RequestStatus.WAITING
         self.finish_reason: Optional[str] = None
@@ -54,6 +60,7 @@ class Request:
 
     def append_output_token(self, token_id: int, max_model_len: int) -> None:
         """Commit one sampled token and decide whether the request is done."""
+        self.token_hash = extend_hash(self.token_hash, len(self.token_ids), [token_id])
         self.token_ids.append(token_id)
         sp = self.sampling
         if not sp.ignore_eos and token_id in self.eos_token_ids:

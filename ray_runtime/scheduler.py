@@ -2,13 +2,19 @@
 
 There are no prefill or decode phases: each step, every running request's computed count
 catches up with its known tokens as far as the budget allows, oldest first; then waiting
-requests are admitted. A request with a step in flight is not scheduled again until that
-step's result is back, so nothing assumes that step N's tokens are known when step N+1 is
-planned.
+requests are admitted. Nothing assumes that step N's tokens are known when step N+1 is
+planned: a request may be planned again while a step of it is in flight when
+  - the tokens it needs are known already (the next chunk of a prefill: every stage runs
+    plans in order, so the earlier chunk's KV is in place first), or
+  - placeholders are allowed (PP=1 async): its one pending sample is the input, which the
+    single rank appends to its own row before it runs the next plan.
+Otherwise (PP>1) it waits for its token: each request then decodes every few steps and the
+micro-batches of different requests interleave in the pipeline.
 """
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Optional
 
 from ray_runtime.kv_blocks import BlockManager
@@ -16,23 +22,42 @@ from ray_runtime.messages import CachedRequestData, NewRequestData, SamplerOutpu
 from ray_runtime.request import Request, RequestStatus
 
 
+@dataclass
+class Expectation:
+    """The driver's view of one request when a plan left, for the reconciliation audit."""
+
+    incarnation: int
+    num_tokens_known: int
+    token_hash: int
+    num_computed_tokens: int  # before the step
+
+
+@dataclass
+class PlanRecord:
+    plan: StepPlan
+    incarnations: dict[str, int]  # of every scheduled request
+    sampling: set[str]  # requests this step will sample a token for
+    expected: dict[str, Expectation]
+
+
 class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, num_kv_blocks: int,
-                 block_size: int, max_model_len: int) -> None:
+                 block_size: int, max_model_len: int, allow_placeholders: bool = False) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.allow_placeholders = allow_placeholders
         self.blocks = BlockManager(num_kv_blocks, block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self._inflight: dict[str, int] = {}  # req_id -> step id of its in-flight step
         self._removed_since_last_plan: list[str] = []
         self._next_step_id = 0
         self.num_preemptions = 0
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_scheduled_tokens_total = 0
+        self.num_placeholder_tokens = 0
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -57,37 +82,48 @@ class Scheduler:
         return done
 
     # ---- planning ------------------------------------------------------------------------
-    def schedule(self) -> Optional[StepPlan]:
+    def schedule(self) -> Optional[PlanRecord]:
         """The next step's plan, or None when nothing can run now."""
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
+        chosen: set[str] = set()
         new_reqs: list[NewRequestData] = []
         cached: list[CachedRequestData] = []
         preempted = False
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if req.req_id in self._inflight or num_new <= 0:
-                i += 1
-                continue
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new <= 0:
+                if not self._can_placeholder(req):
+                    continue
+                num_new = 1
+            num_new = min(num_new, budget)
+            fits = True
             while not self.blocks.can_allocate(req.req_id, req.num_computed_tokens + num_new):
-                victim = self._pick_victim()
+                victim = self._pick_victim(chosen)
+                if victim is None:
+                    fits = False
+                    break
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
+                    fits = False
                     break
-            if req.status is not RequestStatus.RUNNING:
-                break  # req preempted itself: nothing later in `running` can fit either
+            if not fits:
+                break  # later requests are younger: they would only preempt older ones
             new_blocks = self.blocks.allocate(req.req_id, req.num_computed_tokens + num_new)
             cached.append(CachedRequestData(
-                req_id=req.req_id, new_token_ids=req.token_ids[req.num_tokens_sent:],
-                new_block_ids=new_blocks, num_computed_tokens=req.num_computed_tokens))
+                req_id=req.req_id, token_start=req.num_tokens_sent,
+                new_token_ids=req.token_ids[req.num_tokens_sent:], new_block_ids=new_blocks,
+                num_computed_tokens=req.num_computed_tokens))
             req.num_tokens_sent = req.num_tokens
             scheduled.append((req, num_new))
+            chosen.add(req.req_id)
             budget -= num_new
-            i += 1
 
         # Admitting after a preemption in the same step would only thrash.
         while (not preempted and self.waiting and budget > 0
@@ -119,22 +155,46 @@ class Scheduler:
             return None
         step_id = self._next_step_id
         self._next_step_id += 1
+        record = PlanRecord(plan=None, incarnations={}, sampling=set(), expected={})
         for req, n in scheduled:
+            record.expected[req.req_id] = Expectation(req.incarnation, req.num_tokens,
+                                                      req.token_hash, req.num_computed_tokens)
+            record.incarnations[req.req_id] = req.incarnation
+            if req.num_computed_tokens >= req.num_tokens:
+                self.num_placeholder_tokens += n
             req.num_computed_tokens += n
-            self._inflight[req.req_id] = step_id
+            req.num_inflight_steps += 1
+            if req.num_computed_tokens >= req.num_tokens:
+                record.sampling.add(req.req_id)
+                req.num_pending_samples += 1
         self.num_steps += 1
         self.num_scheduled_tokens_total += sum(n for _, n in scheduled)
         removed, self._removed_since_last_plan = self._removed_since_last_plan, []
-        return StepPlan(step_id=step_id, removed_req_ids=removed, new_reqs=new_reqs,
-                        cached_reqs=cached, scheduled_req_ids=[r.req_id for r, _ in scheduled],
-                        num_scheduled_tokens=[n for _, n in scheduled])
+        record.plan = StepPlan(step_id=step_id, removed_req_ids=removed, new_reqs=new_reqs,
+                               cached_reqs=cached, scheduled_req_ids=[r.req_id for r, _ in scheduled],
+                               num_scheduled_tokens=[n for _, n in scheduled])
+        return record
 
-    def _pick_victim(self) -> Request:
-        # The most recently admitted request that has no step in flight loses its KV.
+    def _can_placeholder(self, req: Request) -> bool:
+        """One step ahead of the sampler, never past what max_tokens or the context allow."""
+        return (self.allow_placeholders and req.num_pending_samples == 1
+                and req.num_computed_tokens == req.num_tokens
+                and req.num_output_tokens + req.num_pending_samples < req.sampling.max_tokens
+                and req.num_computed_tokens + 1 < self.max_model_len)
+
+    def _pick_victim(self, chosen: set[str]) -> Optional[Request]:
+        # The most recently admitted request with no step in flight and none in this plan.
         for req in reversed(self.running):
-            if req.req_id not in self._inflight:
+            if req.num_inflight_steps == 0 and req.req_id not in chosen:
                 return req
-        raise RuntimeError("KV pool exhausted with every running request in flight")
+        return None
+
+    def preempt(self, req_id: str) -> None:
+        """Drop a request's KV and rank rows; it is recomputed from the driver's tokens.
+        Results of its steps still in flight are dropped by incarnation."""
+        req = self.requests.get(req_id)
+        if req is not None and req.status is RequestStatus.RUNNING:
+            self._preempt(req)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -142,6 +202,8 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_tokens_sent = 0
+        req.num_inflight_steps = 0
+        req.num_pending_samples = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._removed_since_last_plan.append(req.req_id)
@@ -154,20 +216,25 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.blocks.free(req.req_id)
-        self._inflight.pop(req.req_id, None)
 
     # ---- results -------------------------------------------------------------------------
-    def update_from_output(self, plan: StepPlan, out: SamplerOutput) -> None:
-        """Commit the last rank's sampled tokens for `plan`. A result for a request that was
-        finished, aborted or re-admitted since (older incarnation) is dropped."""
-        for req_id in plan.scheduled_req_ids:
-            if self._inflight.get(req_id) == plan.step_id:
-                del self._inflight[req_id]
+    def update_from_output(self, record: PlanRecord, out: SamplerOutput,
+                           discard: frozenset[str] = frozenset()) -> None:
+        """Commit the last rank's sampled tokens for a step. A result for a request that was
+        finished, aborted or re-admitted since (older incarnation) is dropped, and so are the
+        requests in `discard` (found inconsistent by the audit)."""
+        for req_id, incarnation in record.incarnations.items():
+            req = self.requests.get(req_id)
+            if req is not None and req.incarnation == incarnation \
+                    and req.status is RequestStatus.RUNNING:
+                req.num_inflight_steps -= 1
+                if req_id in record.sampling:
+                    req.num_pending_samples -= 1
         for i, (req_id, incarnation, tokens) in enumerate(
                 zip(out.req_ids, out.incarnations, out.sampled_token_ids)):
             req = self.requests.get(req_id)
             if req is None or req.is_finished or req.incarnation != incarnation \
-                    or req.status is not RequestStatus.RUNNING:
+                    or req.status is not RequestStatus.RUNNING or req_id in discard:
                 continue
             if out.logprob_token_ids is not None and out.logprob_token_ids[i]:
                 req.logprobs.append((dict(zip(out.logprob_token_ids[i], out.logprobs[i])),
@@ -184,7 +251,8 @@ class Scheduler:
         assert len(self.running) <= self.max_num_seqs
         for req in self.running:
             assert req.status is RequestStatus.RUNNING
-            assert 0 <= req.num_computed_tokens <= req.num_tokens, req.req_id
+            assert 0 <= req.num_computed_tokens <= req.num_tokens + req.num_pending_samples, req.req_id
             assert req.num_tokens_sent <= req.num_tokens
+            assert 0 <= req.num_pending_samples <= req.num_inflight_steps
         for req in self.waiting:
             assert req.status is RequestStatus.WAITING and req.num_computed_tokens == 0

@@ -16,7 +16,8 @@ from typing import Optional
 
 import numpy as np
 
-from ray_runtime.messages import CachedRequestData, NewRequestData, StepPlan
+from ray_runtime.digest import rows_hash
+from ray_runtime.messages import CachedRequestData, NewRequestData, RowDigest, StepPlan
 from ray_runtime.sampling_params import SamplingParams
 
 POISON = -1  # token id stored past a row's known prefix; embedding it fails loudly
@@ -25,7 +26,7 @@ POISON = -1  # token id stored past a row's known prefix; embedding it fails lou
 class InputBatch:
     # Per-row numpy fields other than token_ids and block_table; `_move_row` copies them all.
     _ROW_SCALARS = ("num_tokens_known", "num_prompt_tokens", "num_computed_tokens",
-                    "num_blocks", "incarnation", "last_sampled_token")
+                    "num_blocks", "incarnation", "last_sampled_token", "num_conflicts")
 
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
         self.max_num_seqs = max_num_seqs
@@ -42,6 +43,7 @@ class InputBatch:
         self.num_blocks = np.zeros(max_num_seqs, np.int64)
         self.incarnation = np.zeros(max_num_seqs, np.int64)  # the driver's admission counter
         self.last_sampled_token = np.full(max_num_seqs, POISON, np.int64)
+        self.num_conflicts = np.zeros(max_num_seqs, np.int64)  # driver tokens that disagreed
         self.generation = np.zeros(max_num_seqs, np.int64)  # the row's tenant count; not moved
         self.sampling: list[Optional[SamplingParams]] = [None] * max_num_seqs
 
@@ -81,6 +83,7 @@ class InputBatch:
         self.incarnation[row] = new.incarnation
         # The previous tenant's last token must never feed this one (SEEDS.md 3).
         self.last_sampled_token[row] = new.token_ids[-1] if n else POISON
+        self.num_conflicts[row] = 0
         self.sampling[row] = new.sampling
         self.generation[row] += 1
         return row
@@ -88,25 +91,39 @@ class InputBatch:
     def update(self, delta: CachedRequestData) -> None:
         row = self.req_id_to_row[delta.req_id]
         if self.num_computed_tokens[row] != delta.num_computed_tokens:
-            raise AssertionError(
-                f"request {delta.req_id!r}: rank has num_computed_tokens="
-                f"{int(self.num_computed_tokens[row])}, driver says {delta.num_computed_tokens}")
-        self.append_tokens(delta.req_id, delta.new_token_ids)
+            # The driver's count is canonical: take it, and let the digest report the slip.
+            self.num_conflicts[row] += 1
+            self.num_computed_tokens[row] = delta.num_computed_tokens
+        self.write_tokens(delta.req_id, delta.token_start, delta.new_token_ids)
         self._append_blocks(row, delta.new_block_ids)
 
-    def append_tokens(self, req_id: str, new_token_ids: list[int]) -> None:
-        """Extend the known prefix. The counter grows from its own value: during a chunked
-        prefill no tokens arrive and it must stay at the prompt length (SEEDS.md 1)."""
-        if not new_token_ids:
+    def write_tokens(self, req_id: str, start: int, tokens: list[int]) -> None:
+        """Place the driver's tokens [start, start + len) in the row. Positions the row
+        already knows (the last rank appends its own samples first) are overwritten by the
+        driver's canonical values, and each disagreement is counted for the digest."""
+        if not tokens:
             return
         row = self.req_id_to_row[req_id]
-        start = int(self.num_tokens_known[row])
-        end = start + len(new_token_ids)
+        known = int(self.num_tokens_known[row])
+        if start > known:
+            raise AssertionError(f"request {req_id!r}: driver tokens start at {start} but the "
+                                 f"row knows only {known}: a gap")
+        end = start + len(tokens)
         if end > self.max_model_len:
             raise ValueError(f"request {req_id!r}: {end} tokens > max_model_len {self.max_model_len}")
-        self.token_ids[row, start:end] = new_token_ids
-        self.num_tokens_known[row] = end
-        self.last_sampled_token[row] = new_token_ids[-1]
+        overlap = min(end, known) - start
+        if overlap > 0:
+            held = self.token_ids[row, start:start + overlap]
+            self.num_conflicts[row] += int((held != np.asarray(tokens[:overlap])).sum())
+        self.token_ids[row, start:end] = tokens
+        # Grows from its own value only: never derived from num_computed_tokens (SEEDS.md 1).
+        self.num_tokens_known[row] = max(known, end)
+        self.last_sampled_token[row] = self.token_ids[row, self.num_tokens_known[row] - 1]
+
+    def append_tokens(self, req_id: str, new_token_ids: list[int]) -> None:
+        """Extend the known prefix at its end (the last rank's own samples)."""
+        row = self.req_id_to_row[req_id]
+        self.write_tokens(req_id, int(self.num_tokens_known[row]), new_token_ids)
 
     def mark_computed(self, req_id: str, num_tokens: int) -> None:
         row = self.req_id_to_row[req_id]
@@ -132,6 +149,21 @@ class InputBatch:
         snap_a, snap_b = self._snapshot(a), self._snapshot(b)
         self._restore(a, snap_b)
         self._restore(b, snap_a)
+
+    def digests(self, plan: StepPlan) -> list[RowDigest]:
+        """Fingerprints of every row the plan touched, over the prefix the driver knows of."""
+        driver_known = {n.req_id: len(n.token_ids) for n in plan.new_reqs}
+        for d in plan.cached_reqs:
+            driver_known[d.req_id] = d.token_start + len(d.new_token_ids)
+        req_ids = [r for r in plan.scheduled_req_ids if r in driver_known]
+        rows = np.array([self.req_id_to_row[r] for r in req_ids], np.int64)
+        lengths = np.array([driver_known[r] for r in req_ids], np.int64)
+        hashes = rows_hash(self.token_ids, rows, lengths)
+        return [RowDigest(req_id=r, incarnation=int(self.incarnation[row]),
+                          num_tokens_known=int(self.num_tokens_known[row]), hash_length=int(n),
+                          num_computed_tokens=int(self.num_computed_tokens[row]),
+                          token_hash=int(h), num_conflicts=int(self.num_conflicts[row]))
+                for r, row, n, h in zip(req_ids, rows, lengths, hashes)]
 
     # ---- internals -----------------------------------------------------------------------
     def _first_free_row(self) -> int:

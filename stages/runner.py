@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ray_runtime.config import EngineConfig
-from ray_runtime.messages import SamplerOutput, StageStepResult, StepPlan
+from ray_runtime.messages import SamplerOutput, StageStepResult, StageTiming, StepPlan
 from stages.input_batch import InputBatch
 from stages.kv_cache import allocate_kv_cache, available_kv_bytes, bytes_per_block
 from stages.model import AttentionMetadata, build_stage
@@ -29,6 +29,7 @@ class StepInputs:
     meta: AttentionMetadata
     sample_req_ids: list[str]  # requests whose known prefix this step completes
     sample_token_index: list[int]  # their last token's index in the step's layout
+    sample_output_index: list[int]  # index of the output token each will sample (0 = first)
 
 
 class StageRunner:
@@ -68,38 +69,55 @@ class StageRunner:
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StageStepResult:
-        t0 = time.perf_counter()
+        start = time.time()
         self.batch.apply_plan(plan)
         if self.fault_hook is not None:
             self.fault_hook(self.batch, plan)
         if self.config.debug_checks:
             self.batch.check()
         inputs = self.prepare_inputs(plan)
+        t_digest = time.perf_counter()
+        digests = self.batch.digests(plan)
+        digest_s = time.perf_counter() - t_digest
         if self.is_first:
             x = torch.from_numpy(inputs.token_ids).to(self.device)
         else:
             x = self.transport.recv_from_prev(len(inputs.token_ids), self.spec.hidden_size, self.dtype)
+        recv_done = time.time()
         hidden = self.model(x, inputs.meta, self.kv_caches)
+        for req_id, n in zip(plan.scheduled_req_ids, plan.num_scheduled_tokens):
+            self.batch.mark_computed(req_id, n)
         sampler_output = None
         if self.is_last:
             sampler_output = self._sample(plan.step_id, hidden, inputs)
-        else:
+            # The last rank holds its samples at once: with PP=1 the next plan may already
+            # compute on them before the driver has seen them (async placeholders).
+            for req_id, toks in zip(sampler_output.req_ids, sampler_output.sampled_token_ids):
+                self.batch.append_tokens(req_id, toks)
+        compute_done = time.time()
+        if not self.is_last:
             self.transport.send_to_next(hidden)
-        for req_id, n in zip(plan.scheduled_req_ids, plan.num_scheduled_tokens):
-            self.batch.mark_computed(req_id, n)
         if self.config.debug_checks:
             self.batch.check()
-        return StageStepResult(step_id=plan.step_id, rank=self.rank,
-                               compute_s=time.perf_counter() - t0, sampler_output=sampler_output)
+        timing = StageTiming(start=start, recv_done=recv_done, compute_done=compute_done,
+                             end=time.time(), digest_s=digest_s)
+        return StageStepResult(step_id=plan.step_id, rank=self.rank, timing=timing,
+                               digests=digests, sampler_output=sampler_output)
 
     def prepare_inputs(self, plan: StepPlan) -> StepInputs:
+        """Positions come from the plan (the driver's counts are canonical); the rank's own
+        counters are audited through the digests, never trusted to place tokens."""
         b = self.batch
+        view = {n.req_id: (n.num_computed_tokens, len(n.token_ids)) for n in plan.new_reqs}
+        view.update({d.req_id: (d.num_computed_tokens, d.token_start + len(d.new_token_ids))
+                     for d in plan.cached_reqs})
         rows = np.array([b.req_id_to_row[r] for r in plan.scheduled_req_ids], np.int64)
         num_new = np.array(plan.num_scheduled_tokens, np.int64)
-        starts = b.num_computed_tokens[rows]
+        starts = np.array([view[r][0] for r in plan.scheduled_req_ids], np.int64)
+        driver_known = np.array([view[r][1] for r in plan.scheduled_req_ids], np.int64)
         ends = starts + num_new
-        known = b.num_tokens_known[rows]
-        over = np.nonzero(ends > known)[0]
+        known = b.num_tokens_known[rows]  # may exceed driver_known by the last rank's samples
+        over = np.nonzero(ends > np.maximum(known, driver_known))[0]
         if len(over):
             i = int(over[0])
             raise AssertionError(
@@ -112,17 +130,26 @@ class StageRunner:
         bs = self.config.block_size
         slot_mapping = b.block_table[token_row, positions // bs].astype(np.int64) * bs + positions % bs
         max_blocks = int(-(-ends.max() // bs))
-        sample = np.nonzero(ends == known)[0]
+        sample = np.nonzero(ends >= driver_known)[0]
         dev = self.device
         meta = AttentionMetadata(
             positions=torch.from_numpy(positions).to(dev),
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
             block_tables=torch.from_numpy(b.block_table[rows, :max_blocks].astype(np.int64)).to(dev),
             seq_lens=ends.tolist(), query_start_loc=query_start_loc.tolist())
-        token_ids = b.token_ids[token_row, positions] if self.is_first else np.empty(total, np.int64)
+        if self.is_first:
+            token_ids = b.token_ids[token_row, positions]
+            poisoned = token_ids < 0
+            if poisoned.any():  # a row lost tokens it should know: report, don't crash
+                np.add.at(b.num_conflicts, token_row[poisoned], 1)
+                token_ids[poisoned] = 0
+        else:
+            token_ids = np.empty(total, np.int64)
         return StepInputs(token_ids=token_ids, meta=meta,
                           sample_req_ids=[plan.scheduled_req_ids[i] for i in sample],
-                          sample_token_index=[int(query_start_loc[i + 1]) - 1 for i in sample])
+                          sample_token_index=[int(query_start_loc[i + 1]) - 1 for i in sample],
+                          sample_output_index=[int(ends[i] - b.num_prompt_tokens[rows[i]])
+                                               for i in sample])
 
     def _sample(self, step_id: int, hidden: torch.Tensor, inputs: StepInputs) -> SamplerOutput:
         b = self.batch
@@ -132,8 +159,7 @@ class StageRunner:
         index = torch.tensor(inputs.sample_token_index, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
         params = [b.sampling[r] for r in rows]
-        output_index = [int(b.num_tokens_known[r] - b.num_prompt_tokens[r]) for r in rows]
-        res = self.sampler(logits, params, output_index)
+        res = self.sampler(logits, params, inputs.sample_output_index)
         return SamplerOutput(
             step_id=step_id, req_ids=inputs.sample_req_ids,
             incarnations=[int(b.incarnation[r]) for r in rows],

@@ -27,6 +27,7 @@ class StageTransport:
         backend = "nccl" if device == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        self._pending = None
 
     def recv_from_prev(self, num_tokens: int, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
         buf = torch.empty((num_tokens, hidden_size), dtype=dtype, device=self.device)
@@ -34,8 +35,18 @@ class StageTransport:
         return buf
 
     def send_to_next(self, hidden: torch.Tensor) -> None:
-        dist.send(hidden.contiguous(), dst=self.rank + 1)
+        """Non-blocking: the stage goes on to its next plan while this one travels. At most
+        one send is outstanding; its tensor is kept alive until it completes."""
+        self.wait_sends()
+        tensor = hidden.contiguous()
+        self._pending = (dist.isend(tensor, dst=self.rank + 1), tensor)
+
+    def wait_sends(self) -> None:
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
 
     def close(self) -> None:
+        self.wait_sends()
         if dist.is_initialized():
             dist.destroy_process_group()

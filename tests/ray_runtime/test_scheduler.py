@@ -4,6 +4,9 @@ A `Harness` plays both the driver's loop and the ranks: it mirrors what ranks wo
 from each plan alone (NewRequestData, then CachedRequestData deltas, removed ids), checks
 that mirror against the scheduler's canonical Request objects every step, and answers each
 plan with a SamplerOutput for the requests whose computed count reached their known tokens.
+
+`Scheduler.schedule()` returns either the StepPlan itself or a record holding it as `.plan`
+(which `update_from_output` then takes back); the harness accepts both.
 """
 from __future__ import annotations
 
@@ -46,6 +49,9 @@ class Harness:
         self.committed_since: dict[str, list[int]] = {}
         self.plans: list[StepPlan] = []
         self.preempted_log: list[list[str]] = []
+        self.records: dict[int, object] = {}  # step_id -> what schedule() returned
+        self.samples: dict[int, list[str]] = {}  # step_id -> requests that step samples for
+        self.unfed: set[int] = set()  # step ids planned but not answered yet
 
     def add(self, req_id: str, prompt: list[int], **sp) -> Request:
         req = Request(req_id, prompt, SamplingParams(**sp), frozenset({EOS}), self.arrivals)
@@ -55,11 +61,25 @@ class Harness:
         return req
 
     # ---- one driver step ---------------------------------------------------------------
+    def schedule(self) -> Optional[StepPlan]:
+        rec = self.s.schedule()
+        if rec is None:
+            return None
+        plan = getattr(rec, "plan", rec)
+        self.records[plan.step_id] = rec
+        self.unfed.add(plan.step_id)
+        # Requests that reach the end of their known tokens with this step sample a token.
+        self.samples[plan.step_id] = [(rid, self.all[rid].incarnation)
+                                      for rid in plan.scheduled_req_ids
+                                      if self.all[rid].num_computed_tokens
+                                      == self.all[rid].num_tokens]
+        return plan
+
     def step(self, feed: bool = True) -> Optional[StepPlan]:
         running_before = [r.req_id for r in self.s.running]
         preemptions_before = self.s.num_preemptions
-        nothing_in_flight = not self.s._inflight
-        plan = self.s.schedule()
+        nothing_in_flight = not self.unfed
+        plan = self.schedule()
         self.check()
         n_preempted = self.s.num_preemptions - preemptions_before
         if n_preempted and nothing_in_flight:
@@ -78,19 +98,21 @@ class Harness:
 
     def output_for(self, plan: StepPlan) -> SamplerOutput:
         ids, incs, toks = [], [], []
-        for rid in plan.scheduled_req_ids:
+        for rid, incarnation in self.samples[plan.step_id]:
             req = self.all[rid]
-            if req.num_computed_tokens == req.num_tokens:
-                ids.append(rid)
-                incs.append(req.incarnation)
-                toks.append([self.token_fn(req)])
+            ids.append(rid)
+            incs.append(incarnation)
+            toks.append([self.token_fn(req)])
         return SamplerOutput(step_id=plan.step_id, req_ids=ids, incarnations=incs,
                              sampled_token_ids=toks)
 
     def feed(self, plan: StepPlan, out: Optional[SamplerOutput] = None) -> SamplerOutput:
+        """Answer `plan` (once) with `out`, by default what the last rank would sample."""
+        assert plan.step_id in self.unfed, "a plan is answered exactly once"
         out = self.output_for(plan) if out is None else out
         before = {rid: r.num_tokens for rid, r in self.all.items()}
-        self.s.update_from_output(plan, out)
+        self.unfed.discard(plan.step_id)
+        self.s.update_from_output(self.records[plan.step_id], out)
         for rid, r in self.all.items():
             if r.num_tokens != before[rid]:
                 self.committed_since.setdefault(rid, []).extend(r.token_ids[before[rid]:])
@@ -146,6 +168,8 @@ class Harness:
             self.committed_since.pop(new.req_id, None)
         for c in plan.cached_reqs:
             assert c.req_id in self.known, "CachedRequestData for a request the ranks lack"
+            if hasattr(c, "token_start"):
+                assert c.token_start == len(self.known[c.req_id])
             # Exactly the tokens appended since the previous plan, never the history.
             assert c.new_token_ids == self.committed_since.pop(c.req_id, [])
             assert c.num_computed_tokens == self.rank_computed[c.req_id]
@@ -437,82 +461,105 @@ def test_abort_frees_and_lists_removed():
 
 # ---- stale outputs -----------------------------------------------------------------------
 
-def test_stale_output_wrong_incarnation_is_ignored():
+def with_entry(out: SamplerOutput, req_id: str, incarnation: int, token: int) -> SamplerOutput:
+    return SamplerOutput(step_id=out.step_id, req_ids=out.req_ids + [req_id],
+                         incarnations=out.incarnations + [incarnation],
+                         sampled_token_ids=out.sampled_token_ids + [[token]])
+
+
+def test_output_with_wrong_incarnation_is_dropped():
     h = Harness()
     a = h.add("a", prompt(4), max_tokens=10)
-    p1 = h.step()
-    p2 = h.step(feed=False)
-    # A late result naming an older incarnation, for an older step: dropped, and it does
-    # not release the current step's in-flight mark either.
-    stale = SamplerOutput(step_id=p1.step_id, req_ids=["a"], incarnations=[a.incarnation - 1],
+    plan = h.step(feed=False)
+    stale = SamplerOutput(step_id=plan.step_id, req_ids=["a"], incarnations=[a.incarnation - 1],
                           sampled_token_ids=[[77]])
-    h.feed(p1, stale)
-    assert a.output_token_ids == [default_token_at(a, 0)] and h.s.num_generated_tokens == 1
-    assert h.s.schedule() is None  # p2 is still in flight
+    h.feed(plan, stale)
+    assert a.output_token_ids == [] and h.s.num_generated_tokens == 0
+
+
+def test_late_result_of_a_preempted_incarnation_is_dropped():
+    """a is preempted while its step is in flight (the driver's audit does this), re-admitted
+    as incarnation 2, and only then does the old step's result arrive."""
+    h = Harness()
+    a = h.add("a", prompt(4), max_tokens=5)
+    b = h.add("b", prompt(6), max_tokens=5)
+    p1 = h.step(feed=False)
+    assert a.incarnation == 1
+    h.s.preempt("a")
+    h.check()
+    assert a.status is RequestStatus.WAITING and h.s.num_preemptions == 1
+    p2 = h.step(feed=False)
+    assert p2.removed_req_ids == ["a"] and [n.req_id for n in p2.new_reqs] == ["a"]
+    assert a.incarnation == 2 and p2.new_reqs[0].incarnation == 2
+    late = SamplerOutput(step_id=p1.step_id, req_ids=["a", "b"], incarnations=[1, 1],
+                         sampled_token_ids=[[77], [default_token_at(b, 0)]])
+    h.feed(p1, late)
+    assert a.output_token_ids == []  # dropped by incarnation
+    assert b.output_token_ids == [default_token_at(b, 0)]  # the rest of the step counts
     h.feed(p2)
-    assert a.output_token_ids == [default_token_at(a, 0), default_token_at(a, 1)]
+    assert a.output_token_ids == [default_token_at(a, 0)]
     h.run()
-    assert 77 not in a.output_token_ids and a.num_output_tokens == 10
+    assert a.output_token_ids == [default_token_at(a, k) for k in range(5)]
+    assert b.output_token_ids == [default_token_at(b, k) for k in range(5)]
 
 
-def test_stale_output_after_preemption_and_readmission_is_ignored():
+def test_stale_output_while_waiting_and_after_readmission_is_dropped():
     h = Harness(budget=64, num_blocks=4, block_size=4)
     a = h.add("A", prompt(8), max_tokens=3)
     b = h.add("B", prompt(8), max_tokens=4)
-    p1 = h.step()
-    old_out = h.output_for(p1)  # what step 1 produced; B's entry carries incarnation 1
-    h.step()  # preempts B
+    h.step()
+    h.step()  # A needs a 3rd block: B (most recent) is preempted
     assert b.status is RequestStatus.WAITING and b.incarnation == 1
     before = list(b.token_ids)
-    h.s.update_from_output(p1, old_out)  # a replay while B waits
+    plan = h.step(feed=False)
+    h.feed(plan, with_entry(h.output_for(plan), "B", 1, 55))  # B is waiting: dropped
     assert b.token_ids == before
     while b.status is not RequestStatus.RUNNING:
         h.step()
     assert b.incarnation == 2
-    before = list(b.token_ids)
-    late = SamplerOutput(step_id=p1.step_id, req_ids=["B"], incarnations=[1],
-                         sampled_token_ids=[[55]])
-    h.s.update_from_output(p1, late)
-    h.check()
-    assert b.token_ids == before
+    while True:
+        plan = h.step(feed=False)
+        if plan is None or "B" in [r for r, _ in h.samples[plan.step_id]]:
+            break
+        h.feed(plan)
+    # B's real result (incarnation 2) and a late one of incarnation 1 in the same output.
+    h.feed(plan, with_entry(h.output_for(plan), "B", 1, 55))
     h.run()
     assert 55 not in b.output_token_ids
     assert b.output_token_ids == [default_token_at(b, k) for k in range(4)]
     assert a.output_token_ids == [default_token_at(a, k) for k in range(3)]
 
 
-def test_stale_output_for_finished_request_is_ignored():
+def test_stale_output_for_finished_or_aborted_request_is_ignored():
     h = Harness()
     a = h.add("a", prompt(4), max_tokens=1)
-    h.add("b", prompt(4), max_tokens=5)
-    plan = h.step()
+    b = h.add("b", prompt(4), max_tokens=5)
+    h.step()
     assert a.is_finished
-    extra = SamplerOutput(step_id=plan.step_id, req_ids=["a"], incarnations=[a.incarnation],
-                          sampled_token_ids=[[9]])
-    h.s.update_from_output(plan, extra)
-    h.check()
-    assert a.output_token_ids == [default_token_at(a, 0)]
-    h.s.pop_finished()
-    h.s.update_from_output(plan, extra)  # no longer known at all
-    h.check()
-    assert a.output_token_ids == [default_token_at(a, 0)]
-    # An aborted request too.
-    b = h.all["b"]
+    inc = a.incarnation
     plan = h.step(feed=False)
+    h.feed(plan, with_entry(h.output_for(plan), "a", inc, 9))
+    assert a.output_token_ids == [default_token_at(a, 0)]
+    assert [r.req_id for r in h.s.pop_finished()] == ["a"]
+    plan = h.step(feed=False)
+    h.feed(plan, with_entry(h.output_for(plan), "a", inc, 9))  # no longer known at all
+    assert a.output_token_ids == [default_token_at(a, 0)]
+    # Aborted while its step is in flight: the step's result for it is dropped.
+    plan = h.step(feed=False)
+    assert "b" in plan.scheduled_req_ids
     h.s.abort_request("b")
-    n = b.num_tokens
-    h.s.update_from_output(plan, SamplerOutput(step_id=plan.step_id, req_ids=["b"],
-                                               incarnations=[b.incarnation],
-                                               sampled_token_ids=[[9]]))
     h.check()
+    n = b.num_tokens
+    h.feed(plan)
     assert b.num_tokens == n and b.finish_reason == "abort"
+    assert not h.s.has_unfinished()
 
 
 def test_in_flight_request_is_not_rescheduled_until_its_result():
     h = Harness()
     h.add("a", prompt(4), max_tokens=5)
     plan = h.step(feed=False)
-    assert h.s.schedule() is None  # its only request is in flight
+    assert h.schedule() is None  # its only request is in flight, waiting for its token
     h.add("b", prompt(3), max_tokens=2)
     p2 = h.step(feed=False)
     assert p2.scheduled_req_ids == ["b"]
@@ -522,12 +569,30 @@ def test_in_flight_request_is_not_rescheduled_until_its_result():
     assert p3.scheduled_req_ids == ["a", "b"]
 
 
+def test_next_prefill_chunk_is_planned_while_the_previous_is_in_flight():
+    """The tokens of the next chunk are known, so it need not wait for the previous step."""
+    h = Harness(budget=8)
+    long_req = h.add("long", prompt(20), max_tokens=2)
+    p1 = h.step(feed=False)
+    p2 = h.step(feed=False)
+    p3 = h.step(feed=False)
+    assert [p.num_scheduled_tokens for p in (p1, p2, p3)] == [[8], [8], [4]]
+    assert h.schedule() is None  # the last chunk samples: now it waits for the token
+    for p in (p1, p2):
+        h.feed(p)
+        assert long_req.num_output_tokens == 0
+    h.feed(p3)
+    assert long_req.output_token_ids == [default_token_at(long_req, 0)]
+    h.run()
+    assert long_req.num_output_tokens == 2
+
+
 # ---- a request that can never fit --------------------------------------------------------
 
 def _schedule_until_error(h: Harness, max_calls: int = 50) -> RuntimeError:
     for _ in range(max_calls):
         try:
-            plan = h.s.schedule()
+            plan = h.schedule()
         except RuntimeError as e:
             return e
         h.check()
@@ -555,8 +620,9 @@ def test_growth_past_pool_raises():
 @pytest.mark.xfail(strict=True, reason=(
     "Minor: when the only running request outgrows the pool it preempts itself and "
     "schedule() returns None for that step; only the next call raises the clear "
-    "'needs more KV blocks than the whole pool' error. Driver._step raises on the None "
-    "first, with the unhelpful 'scheduler has unfinished requests but planned nothing'."))
+    "'needs more KV blocks than the whole pool' error. The driver raises on the None "
+    "first (nothing in flight), with the unhelpful 'scheduler has unfinished requests but "
+    "planned nothing'."))
 def test_growth_past_pool_raises_without_an_empty_plan():
     h = Harness(budget=64, num_blocks=2, block_size=4)
     h.add("grow", prompt(8), max_tokens=5)

@@ -32,13 +32,18 @@ class ReqModel:
     blocks: list[int]
     sampling: SamplingParams
     incarnation: int
+    num_conflicts: int = 0  # driver values that disagreed with the row (update / write_tokens)
+
+    def write(self, start: int, tokens: list[int]) -> None:
+        """The driver's tokens [start, start + len): overwrite what is held, extend past it."""
+        held = self.tokens[start:start + len(tokens)]
+        self.num_conflicts += sum(a != b for a, b in zip(held, tokens))
+        self.tokens[start:start + len(tokens)] = tokens
 
 
 def batch_state(b: InputBatch):
     """Everything in the batch, copied, for 'a rejected call changed nothing' checks."""
-    arrays = {name: getattr(b, name).copy() for name in (
-        "token_ids", "num_tokens_known", "num_prompt_tokens", "num_computed_tokens",
-        "block_table", "num_blocks", "incarnation", "last_sampled_token", "generation")}
+    arrays = {name: v.copy() for name, v in vars(b).items() if isinstance(v, np.ndarray)}
     return arrays, list(b.req_ids), dict(b.req_id_to_row), [id(s) for s in b.sampling]
 
 
@@ -76,6 +81,7 @@ def assert_row_matches(b: InputBatch, req_id: str, m: ReqModel) -> None:
     assert b.sampling[row] is m.sampling, f"{where}: another request's SamplingParams"
     assert b.incarnation[row] == m.incarnation
     assert b.last_sampled_token[row] == m.tokens[-1], f"{where}: last_sampled_token"
+    assert b.num_conflicts[row] == m.num_conflicts, f"{where}: num_conflicts"
 
 
 def assert_matches_model(b: InputBatch, model: dict[str, ReqModel]) -> None:
@@ -251,38 +257,69 @@ class InputBatchMachine(RuleBasedStateMachine):
         self.batch.mark_computed(req_id, n)
         m.num_computed += n
 
-    def _delta(self, data, req_id: str) -> CachedRequestData:
+    def _delta(self, data, req_id: str, overlap: bool = False) -> CachedRequestData:
+        """The driver's delta. Plain: tokens appended at the end of the known prefix.
+        overlap: token_start up to 3 positions back (the last rank appended its own samples
+        first), with the overlapped part either agreeing with the row or not."""
         m = self.model[req_id]
-        k = data.draw(st.integers(0, min(3, MAX_LEN - len(m.tokens))), label="k")
+        known = len(m.tokens)
+        start = data.draw(st.integers(max(0, known - 3), known), label="token_start") \
+            if overlap else known
+        if data.draw(st.booleans(), label="agree"):
+            over = m.tokens[start:known]
+        else:
+            over = _ids(data, known - start, 0, 50_000, "over")
+        k = data.draw(st.integers(0, min(3, MAX_LEN - known)), label="k")
         nb = data.draw(st.integers(0, min(3, MAX_BLOCKS - len(m.blocks))), label="nb")
         return CachedRequestData(
-            req_id=req_id,
-            new_token_ids=_ids(data, k, 0, 50_000, "new_token_ids"),
+            req_id=req_id, token_start=start,
+            new_token_ids=over + _ids(data, k, 0, 50_000, "new_token_ids"),
             new_block_ids=_ids(data, nb, 1, 10_000, "new_block_ids"),
             num_computed_tokens=m.num_computed)
 
     def _apply_delta_to_model(self, delta: CachedRequestData) -> None:
         m = self.model[delta.req_id]
-        m.tokens.extend(delta.new_token_ids)
+        if delta.num_computed_tokens != m.num_computed:  # the driver's count is canonical
+            m.num_conflicts += 1
+            m.num_computed = delta.num_computed_tokens
+        m.write(delta.token_start, list(delta.new_token_ids))
         m.blocks.extend(delta.new_block_ids)
 
     @precondition(lambda self: self.model)
-    @rule(data=st.data())
-    def update(self, data):
-        delta = self._delta(data, self._live(data))
+    @rule(data=st.data(), overlap=st.booleans())
+    def update(self, data, overlap):
+        delta = self._delta(data, self._live(data), overlap)
         self.batch.update(delta)
         self._apply_delta_to_model(delta)
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
-    def update_wrong_computed(self, data):
+    def update_other_computed(self, data):
+        """The driver's num_computed_tokens disagrees with the rank's (kept within the tokens
+        and blocks the row will hold): the rank takes the driver's and counts a conflict."""
         req_id = self._live(data)
-        delta = self._delta(data, req_id)
-        right = self.model[req_id].num_computed
-        wrong = (right + data.draw(st.integers(1, MAX_LEN))) % (MAX_LEN + 1)
-        delta = CachedRequestData(delta.req_id, delta.new_token_ids, delta.new_block_ids, wrong)
+        m = self.model[req_id]
+        delta = self._delta(data, req_id, overlap=True)
+        known_after = max(len(m.tokens), delta.token_start + len(delta.new_token_ids))
+        limit = min(known_after, (len(m.blocks) + len(delta.new_block_ids)) * BS)
+        other = data.draw(st.integers(0, limit), label="driver_computed")
+        delta = CachedRequestData(req_id=req_id, token_start=delta.token_start,
+                                  new_token_ids=delta.new_token_ids,
+                                  new_block_ids=delta.new_block_ids, num_computed_tokens=other)
+        self.batch.update(delta)
+        self._apply_delta_to_model(delta)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def update_gap_rejected(self, data):
+        """Driver tokens starting past the row's known prefix: refused, nothing changed."""
+        req_id = self._live(data)
+        m = self.model[req_id]
+        start = len(m.tokens) + data.draw(st.integers(1, 3))
+        delta = CachedRequestData(req_id=req_id, token_start=start, new_token_ids=[5],
+                                  new_block_ids=[], num_computed_tokens=m.num_computed)
         before = batch_state(self.batch)
-        with pytest.raises(AssertionError):
+        with pytest.raises(AssertionError, match="gap"):
             self.batch.update(delta)
         assert_same_state(before, batch_state(self.batch))
 
@@ -301,7 +338,7 @@ class InputBatchMachine(RuleBasedStateMachine):
         new_reqs = [self._new_request(data, r) for r in new_ids]
         cached_ids = data.draw(st.lists(st.sampled_from(sorted(self.model)), unique=True)) \
             if self.model else []
-        cached = [self._delta(data, r) for r in cached_ids]
+        cached = [self._delta(data, r, data.draw(st.booleans())) for r in cached_ids]
         plan = StepPlan(step_id=0, removed_req_ids=removed, new_reqs=new_reqs,
                         cached_reqs=cached, scheduled_req_ids=[], num_scheduled_tokens=[])
         gen = self.batch.generation.copy()
@@ -370,7 +407,8 @@ def test_slot_reuse_initializes_every_field():
     row = b.add(_request_a())
     gen_a = int(b.generation[row])
     b.mark_computed("A", 20)
-    b.update(CachedRequestData("A", [500, 501, 502], [6, 7], 20))
+    b.update(CachedRequestData(req_id="A", token_start=20, new_token_ids=[500, 501, 502],
+                               new_block_ids=[6, 7], num_computed_tokens=20))
     b.append_tokens("A", [503, 504])
     b.mark_computed("A", 4)
     assert b.last_sampled_token[row] == 504 and b.num_tokens_known[row] == 25
@@ -388,7 +426,9 @@ def test_slot_reuse_through_one_plan():
     b = InputBatch(4, 64, 4)
     b.apply_plan(StepPlan(0, [], [_request_a()], [], ["A"], [20]))
     b.mark_computed("A", 20)
-    b.apply_plan(StepPlan(1, [], [], [CachedRequestData("A", [500], [6], 20)], ["A"], [1]))
+    delta = CachedRequestData(req_id="A", token_start=20, new_token_ids=[500],
+                              new_block_ids=[6], num_computed_tokens=20)
+    b.apply_plan(StepPlan(1, [], [], [delta], ["A"], [1]))
     b.mark_computed("A", 1)
     row = b.req_id_to_row["A"]
     gen_a = int(b.generation[row])
@@ -476,8 +516,8 @@ def run_chunked_prefill_scenario(batch_cls=InputBatch, *, use_check: bool = True
             else:
                 # during L's chunked prefill: no new tokens, only blocks
                 cached.append(CachedRequestData(
-                    req_id=r.req_id, new_token_ids=r.tokens[r.sent:], new_block_ids=new_blocks,
-                    num_computed_tokens=r.computed))
+                    req_id=r.req_id, token_start=r.sent, new_token_ids=r.tokens[r.sent:],
+                    new_block_ids=new_blocks, num_computed_tokens=r.computed))
             r.sent = len(r.tokens)
             scheduled.append(r.req_id)
             num_sched.append(n)
@@ -549,7 +589,8 @@ def test_planted_bug_is_harmless_outside_chunked_prefill():
     b = BuggyInputBatch(2, 64, 4)
     b.add(NewRequestData("D", 1, [1, 2, 3], 3, 0, [1], SamplingParams()))
     b.mark_computed("D", 3)
-    b.update(CachedRequestData("D", [9], [], 3))
+    b.update(CachedRequestData(req_id="D", token_start=3, new_token_ids=[9], new_block_ids=[],
+                               num_computed_tokens=3))
     b.check()
     assert b.num_tokens_known[0] == 4
 

@@ -72,8 +72,7 @@ def test_top_k_keeps_the_k_largest():
 
 def test_temperature_scales_logits():
     logits = torch.tensor([1.0, -2.0, 4.0])
-    torch.testing.assert_close(apply_filters(logits, SamplingParams(temperature=0.5)),
-                               logits * 2)
+    assert torch.allclose(apply_filters(logits, SamplingParams(temperature=0.5)), logits * 2)
 
 
 # ---- top-p and min-p ---------------------------------------------------------------------
@@ -97,6 +96,19 @@ def test_top_p_keeps_smallest_prefix_reaching_top_p(top_p, kept):
     perm = torch.tensor([2, 0, 3, 1])
     out = apply_filters(logits[perm], SamplingParams(top_p=top_p))
     assert _kept(out) == [kept[j] for j in perm.tolist()]
+
+
+@pytest.mark.parametrize("probs,top_p,kept", [
+    # Dyadic probabilities: the mass before each token is exact in float32, so these pin
+    # down "reaching" top_p (>=), not just "exceeding" it.
+    ([0.5, 0.25, 0.125, 0.125], 0.75, [True, True, False, False]),
+    ([0.5, 0.25, 0.125, 0.125], 0.5, [True, False, False, False]),
+    ([0.5, 0.25, 0.125, 0.125], 0.875, [True, True, True, False]),
+    ([0.25, 0.5, 0.125, 0.125], 0.75, [True, True, False, False]),
+])
+def test_top_p_exact_boundaries(probs, top_p, kept):
+    out = apply_filters(torch.tensor(probs).log(), SamplingParams(top_p=top_p))
+    assert _kept(out) == kept
 
 
 def test_top_p_filtered_tokens_are_never_sampled(sampler):
@@ -176,7 +188,7 @@ def test_different_output_indices_give_different_draws(sampler):
 def test_seeded_empirical_distribution_matches_softmax():
     logits = torch.tensor([[1.0, 0.2, -0.5, 2.0, 0.0, -2.0]])
     probs = torch.softmax(logits[0].double(), dim=-1)
-    n = 6000
+    n = 4000
     s = Sampler(CPU)
     counts = torch.zeros(6, dtype=torch.float64)
     batch = 500

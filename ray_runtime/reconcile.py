@@ -1,0 +1,55 @@
+"""The bookkeeping audit: every rank's digest of every request it touched in a step,
+compared with the driver's canonical view of that request when the plan left.
+
+The last rank may know more tokens than the driver did (it appends its own samples at
+once); every other rank must know exactly as many.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ray_runtime.messages import RowDigest
+from ray_runtime.scheduler import Expectation
+
+
+class BookkeepingMismatch(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    req_id: str
+    rank: int
+    field: str
+    expected: object
+    got: object
+
+    def __str__(self) -> str:
+        return (f"bookkeeping mismatch: request {self.req_id!r} on rank {self.rank}: "
+                f"{self.field} expected {self.expected}, rank has {self.got}")
+
+
+def audit(expected: dict[str, Expectation], digests: list[RowDigest], rank: int,
+          is_last: bool) -> list[Mismatch]:
+    found: list[Mismatch] = []
+    for d in digests:
+        exp = expected.get(d.req_id)
+        if exp is None:
+            found.append(Mismatch(d.req_id, rank, "request", "not in this plan", "a row"))
+            continue
+        checks = [
+            ("incarnation", exp.incarnation, d.incarnation),
+            ("hash_length", exp.num_tokens_known, d.hash_length),
+            ("num_computed_tokens", exp.num_computed_tokens, d.num_computed_tokens),
+            ("token_hash", exp.token_hash, d.token_hash),
+            ("num_conflicts", 0, d.num_conflicts),
+        ]
+        known_ok = d.num_tokens_known >= exp.num_tokens_known if is_last \
+            else d.num_tokens_known == exp.num_tokens_known
+        if not known_ok:
+            checks.append(("num_tokens_known", exp.num_tokens_known, d.num_tokens_known))
+        for field, want, got in checks:
+            if want != got or field == "num_tokens_known":
+                found.append(Mismatch(d.req_id, rank, field, want, got))
+                break  # one finding per request and rank is enough to repair it
+    return found
