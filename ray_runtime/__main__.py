@@ -31,6 +31,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--placement-strategy", default="PACK",
                    choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
+    p.add_argument("--sync", action="store_true", help="plan one step at a time (no async scheduling)")
+    p.add_argument("--trace-file", default=None, help="write a Chrome-trace / Perfetto JSON here")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -56,7 +58,8 @@ def build_llm(args):
                pp_layer_partition=args.pp_layer_partition, device=args.device, dtype=args.dtype,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-               max_model_len=args.max_model_len, placement_strategy=args.placement_strategy)
+               max_model_len=args.max_model_len, placement_strategy=args.placement_strategy,
+               async_scheduling=not args.sync, trace_file=args.trace_file)
 
 
 def default_sampling(args) -> SamplingParams:

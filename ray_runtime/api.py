@@ -66,6 +66,7 @@ class LLM:
         self._driver = ray.remote(num_cpus=0)(Driver).remote(self.config)
         self.info = ray.get(self._driver.info.remote())
         self._closed = False
+        self.final_stats: Optional[dict] = None  # stats() as they were at shutdown
 
     # ---- generation ----------------------------------------------------------------------
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
@@ -176,6 +177,7 @@ class LLM:
             return
         self._closed = True
         try:
+            self.final_stats = ray.get(self._driver.stats.remote(), timeout=60)
             ray.get(self._driver.shutdown.remote(), timeout=60)
         finally:
             ray.kill(self._driver)

@@ -172,6 +172,7 @@ class Driver:
                 "num_prompt_tokens": self._num_prompt_tokens,
                 "num_scheduled_tokens": s.num_scheduled_tokens_total,
                 "num_placeholder_tokens": s.num_placeholder_tokens,
+                "num_dropped_samples": s.num_dropped_samples,
                 "num_requests_finished": self._num_requests_finished,
                 "num_kv_blocks": self.num_kv_blocks, "num_free_kv_blocks": s.blocks.num_free_blocks,
                 "bookkeeping_mismatches": self._num_mismatches,

@@ -58,6 +58,7 @@ class Scheduler:
         self.num_generated_tokens = 0
         self.num_scheduled_tokens_total = 0
         self.num_placeholder_tokens = 0
+        self.num_dropped_samples = 0  # late results: request finished, re-admitted or audited
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -108,6 +109,8 @@ class Scheduler:
                 if victim is None:
                     fits = False
                     break
+                if victim is req and len(self.running) == 1:
+                    raise self._too_big(req, req.num_computed_tokens + num_new)
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -129,13 +132,10 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
+            if self.blocks.blocks_needed(req.req_id, req.num_tokens) > self.blocks.num_blocks:
+                raise self._too_big(req, req.num_tokens)
             num_new = min(req.num_tokens, budget)
             if not self.blocks.can_allocate(req.req_id, num_new):
-                if not self.running:
-                    raise RuntimeError(
-                        f"request {req.req_id!r} needs more KV blocks than the whole pool "
-                        f"({self.blocks.num_blocks} blocks of {self.blocks.block_size}); "
-                        "raise num_kv_blocks")
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -174,6 +174,12 @@ class Scheduler:
                                cached_reqs=cached, scheduled_req_ids=[r.req_id for r, _ in scheduled],
                                num_scheduled_tokens=[n for _, n in scheduled])
         return record
+
+    def _too_big(self, req: Request, num_tokens: int) -> RuntimeError:
+        return RuntimeError(
+            f"request {req.req_id!r} needs more KV blocks than the whole pool for {num_tokens} "
+            f"tokens ({self.blocks.num_blocks} blocks of {self.blocks.block_size}); "
+            "raise num_kv_blocks")
 
     def _can_placeholder(self, req: Request) -> bool:
         """One step ahead of the sampler, never past what max_tokens or the context allow."""
@@ -235,6 +241,7 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.is_finished or req.incarnation != incarnation \
                     or req.status is not RequestStatus.RUNNING or req_id in discard:
+                self.num_dropped_samples += len(tokens)
                 continue
             if out.logprob_token_ids is not None and out.logprob_token_ids[i]:
                 req.logprobs.append((dict(zip(out.logprob_token_ids[i], out.logprobs[i])),

@@ -90,11 +90,13 @@ class InputBatch:
 
     def update(self, delta: CachedRequestData) -> None:
         row = self.req_id_to_row[delta.req_id]
+        if int(self.num_blocks[row]) + len(delta.new_block_ids) > self.block_table.shape[1]:
+            raise AssertionError(f"request {delta.req_id!r}: block table overflow")
+        self.write_tokens(delta.req_id, delta.token_start, delta.new_token_ids)  # may refuse: first
         if self.num_computed_tokens[row] != delta.num_computed_tokens:
             # The driver's count is canonical: take it, and let the digest report the slip.
             self.num_conflicts[row] += 1
             self.num_computed_tokens[row] = delta.num_computed_tokens
-        self.write_tokens(delta.req_id, delta.token_start, delta.new_token_ids)
         self._append_blocks(row, delta.new_block_ids)
 
     def write_tokens(self, req_id: str, start: int, tokens: list[int]) -> None:
@@ -189,7 +191,6 @@ class InputBatch:
         snap["block_table"] = self.block_table[row].copy()
         snap["req_id"] = self.req_ids[row]
         snap["sampling"] = self.sampling[row]
-        snap["generation"] = self.generation[row].copy()
         return snap
 
     def _restore(self, row: int, snap: dict) -> None:
@@ -201,9 +202,9 @@ class InputBatch:
         self.block_table[row] = snap["block_table"]
         self.req_ids[row] = snap["req_id"]
         self.sampling[row] = snap["sampling"]
-        self.generation[row] = snap["generation"]
         if snap["req_id"] is not None:
             self.req_id_to_row[snap["req_id"]] = row
+            self.generation[row] += 1  # a request moved in: a new tenant of this row
 
     def _clear_row(self, row: int) -> None:
         self.req_ids[row] = None

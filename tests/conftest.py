@@ -24,6 +24,29 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def no_bookkeeping_mismatches(request, monkeypatch):
+    """Every engine a test builds must end with bookkeeping_mismatches == 0, unless the test
+    corrupts a rank on purpose (@pytest.mark.corrupts_ranks)."""
+    from ray_runtime import api
+
+    built = []
+    original = api.LLM.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(api.LLM, "__init__", tracking_init)
+    yield
+    if request.node.get_closest_marker("corrupts_ranks"):
+        return
+    for llm in built:
+        stats = llm.final_stats if llm._closed else llm.stats()
+        if stats is not None:
+            assert stats["bookkeeping_mismatches"] == 0, stats
+
+
 @pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("tiny_models"))

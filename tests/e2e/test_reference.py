@@ -9,7 +9,9 @@ from tests.conftest import stress_workload
 from tests.reference import assert_matches, hf_greedy
 from tests.tiny_models import ARCHS
 
-CASES = [(arch, pp) for arch in ARCHS for pp in (1, 2, 3, 4)]
+# Async (the default) for every architecture and depth; sync for one architecture per depth.
+CASES = [(arch, pp, True) for arch in ARCHS for pp in (1, 2, 3, 4)]
+CASES += [(ARCHS[pp - 1], pp, False) for pp in (1, 2, 3, 4)]
 
 
 def run_and_compare(model, pp, prompts, budgets, **engine):
@@ -27,12 +29,13 @@ def run_and_compare(model, pp, prompts, budgets, **engine):
     return stats, ties
 
 
-@pytest.mark.parametrize("arch,pp", CASES)
-def test_greedy_equals_hf_under_stress(ray_cluster, tiny_model, arch, pp):
+@pytest.mark.parametrize("arch,pp,async_scheduling", CASES)
+def test_greedy_equals_hf_under_stress(ray_cluster, tiny_model, arch, pp, async_scheduling):
     model = tiny_model(arch)
     prompts, budgets = stress_workload(seed=ARCHS.index(arch))
     stats, ties = run_and_compare(model, pp, prompts, budgets, max_num_seqs=16,
-                                  max_num_batched_tokens=32, num_kv_blocks=30)
+                                  max_num_batched_tokens=32, num_kv_blocks=30,
+                                  async_scheduling=async_scheduling)
     assert stats["num_preemptions"] > 0, "the KV cap was meant to force preemption"
     assert stats["num_generated_tokens"] >= sum(budgets)
     assert ties <= 1, f"{ties} tie-excused divergences: suspicious for float32"

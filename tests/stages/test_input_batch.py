@@ -124,6 +124,8 @@ class InputBatchMachine(RuleBasedStateMachine):
         self.batch = InputBatch(MAX_SEQS, MAX_LEN, BS)
         self.model: dict[str, ReqModel] = {}
         self.rows: dict[str, int] = {}  # where the model expects each request
+        self.prev_tenants = list(self.batch.req_ids)  # for the generation check
+        self.prev_generation = self.batch.generation.copy()
 
     # -- strategies that depend on the state
     def _live(self, data, pred=lambda m: True) -> str:
@@ -181,8 +183,13 @@ class InputBatchMachine(RuleBasedStateMachine):
         self.add(data, resumed)
 
     @precondition(lambda self: self.model)
-    @rule(data=st.data())
-    def add_rejected(self, data):
+    @rule(data=st.data(), which=st.sampled_from(["add", "append", "update"]))
+    def rejected_call(self, data, which):
+        """A call the batch must refuse, raising before it changes anything."""
+        {"add": self._add_rejected, "append": self._append_tokens_overflow,
+         "update": self._update_gap_rejected}[which](data)
+
+    def _add_rejected(self, data):
         """A duplicate id, or a full batch: an exception, and nothing changed."""
         if len(self.model) < MAX_SEQS:
             req_id = self._live(data)
@@ -216,6 +223,7 @@ class InputBatchMachine(RuleBasedStateMachine):
                 assert after[req_id] == row, f"{req_id!r} moved although it was in place"
         self.rows = after
 
+    @precondition(lambda self: self.model)
     @rule(data=st.data())
     def swap(self, data):
         # arbitrary rows, live or hole, with live rows favoured (most rows are holes otherwise)
@@ -237,9 +245,7 @@ class InputBatchMachine(RuleBasedStateMachine):
         self.batch.append_tokens(req_id, new_ids)
         m.tokens.extend(new_ids)
 
-    @precondition(lambda self: self.model)
-    @rule(data=st.data())
-    def append_tokens_overflow(self, data):
+    def _append_tokens_overflow(self, data):
         req_id = self._live(data)
         k = MAX_LEN - len(self.model[req_id].tokens) + data.draw(st.integers(1, 3))
         before = batch_state(self.batch)
@@ -309,9 +315,7 @@ class InputBatchMachine(RuleBasedStateMachine):
         self.batch.update(delta)
         self._apply_delta_to_model(delta)
 
-    @precondition(lambda self: self.model)
-    @rule(data=st.data())
-    def update_gap_rejected(self, data):
+    def _update_gap_rejected(self, data):
         """Driver tokens starting past the row's known prefix: refused, nothing changed."""
         req_id = self._live(data)
         m = self.model[req_id]
@@ -362,6 +366,22 @@ class InputBatchMachine(RuleBasedStateMachine):
         self.batch.check()
         assert self.batch.req_id_to_row == self.rows
         assert_matches_model(self.batch, self.model)
+        self._check_generations()
+
+    def _check_generations(self):
+        """A row's generation counts its tenants: it never goes back, grows whenever a
+        request arrives in the row (added, or moved in by condense / swap), and stays put
+        otherwise; it never travels with a request (SEEDS.md 3)."""
+        gen, tenants = self.batch.generation, self.batch.req_ids
+        for row in range(MAX_SEQS):
+            old, new = int(self.prev_generation[row]), int(gen[row])
+            if tenants[row] is not None and tenants[row] != self.prev_tenants[row]:
+                assert new > old, \
+                    f"row {row}: new tenant {tenants[row]!r}, generation {old} -> {new}"
+            else:
+                assert new == old, f"row {row}: same tenant, generation {old} -> {new}"
+        self.prev_tenants = list(tenants)
+        self.prev_generation = gen.copy()
 
 
 InputBatchMachine.TestCase.settings = settings(
@@ -595,11 +615,12 @@ def test_planted_bug_is_harmless_outside_chunked_prefill():
     assert b.num_tokens_known[0] == 4
 
 
-# ---- known defect: the per-row generation counter moves with the request -----------------
-@pytest.mark.xfail(strict=True, reason="InputBatch._snapshot/_restore move `generation` with "
-                   "the request (condense, swap), though it is documented as the row's tenant "
-                   "count, 'not moved'; a row's generation can go back and repeat")
+# ---- the per-row generation counter stays with the row ---------------------------------
 def test_generation_is_per_row():
+    """Found by this file: _snapshot/_restore used to move `generation` with the request,
+    so after a condense a row's generation went back (3 -> 1) and repeated for its next
+    tenant ([1, 2, 3, 2]): a late result keyed by (row, generation) would match the wrong
+    request. Each tenant of a row must get a fresh, larger generation."""
     b = InputBatch(4, 64, 4)
 
     def new(req_id: str) -> NewRequestData:
@@ -608,15 +629,27 @@ def test_generation_is_per_row():
     gens_row0 = []
     b.add(new("a1"))
     gens_row0.append(int(b.generation[0]))
-    b.add(new("b"))  # row 1, generation 1
+    b.add(new("b"))  # row 1
     for req_id in ("a2", "a3"):  # row 0's 2nd and 3rd tenants
         b.remove(b.req_ids[0])
         assert b.add(new(req_id)) == 0
         gens_row0.append(int(b.generation[0]))
+    gen_row1 = int(b.generation[1])
     b.remove("a3")
-    b.condense()  # b moves from row 1 into row 0 and takes its generation (1) along
-    b.remove("b")
-    assert b.add(new("c")) == 0  # row 0's 5th tenant (b was the 4th)
+    b.condense()  # b moves from row 1 into row 0: row 0's 4th tenant
+    assert b.req_id_to_row == {"b": 0}
     gens_row0.append(int(b.generation[0]))
-    # each tenant of row 0 must get a fresh generation; the code gives [1, 2, 3, 2]
-    assert gens_row0 == sorted(set(gens_row0)), f"row 0 generations {gens_row0} repeat"
+    assert b.generation[1] == gen_row1, "the vacated row's generation changed"
+    b.remove("b")
+    assert b.add(new("c")) == 0  # row 0's 5th tenant
+    gens_row0.append(int(b.generation[0]))
+    assert all(x < y for x, y in zip(gens_row0, gens_row0[1:])), \
+        f"row 0 generations {gens_row0} do not grow with each tenant"
+
+    b.add(new("d"))  # row 1
+    g0, g1, g2 = (int(g) for g in b.generation[:3])
+    b.swap(0, 1)  # two live rows: both get a new tenant
+    assert b.generation[0] > g0 and b.generation[1] > g1
+    g0, g1 = int(b.generation[0]), int(b.generation[1])
+    b.swap(1, 2)  # d into hole row 2: row 2 gets a tenant, row 1 becomes a hole
+    assert b.generation[2] > g2 and b.generation[1] == g1 and b.generation[0] == g0

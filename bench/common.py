@@ -1,0 +1,60 @@
+"""Shared bench plumbing: results as JSON in bench/results/, with the command that made them."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                       text=True, stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return f"cpu: {platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+def save(name: str, payload: dict) -> str:
+    out_dir = os.environ.get("BENCH_OUT") or os.path.join(HERE, "results")
+    os.makedirs(out_dir, exist_ok=True)
+    record = {"bench": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "git_commit": git_commit(), "device": device_name(),
+              "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+              **payload}
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    return path
+
+
+def tiny_llama(path: str, *, hidden: int, layers: int, heads: int, kv_heads: int,
+               intermediate: int, vocab: int, max_pos: int = 4096) -> str:
+    """Random weights of a given Llama shape, saved once."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, intermediate_size=intermediate,
+                      vocab_size=vocab, max_position_embeddings=max_pos, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path

@@ -1,0 +1,93 @@
+"""Stage idle fractions and throughput, sync vs async, at several PP depths, from the
+pipeline trace's own accounting (stats()["stage_idle_fraction"]).
+
+  python bench/pipeline_idle.py [--pp 1 2 4] [--requests 64] [--max-tokens 32]
+      [--hidden 256 --layers 8] [--device cpu] [--dtype float32] [--trace-dir DIR]
+
+Idle = waiting for the previous stage's activations + gaps between steps, over busy + idle.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import save, tiny_llama  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--pp", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 128])
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--model-dir", default="/tmp/ray_runtime_bench/llama_idle")
+    p.add_argument("--trace-dir", default=None)
+    args = p.parse_args()
+
+    import ray
+
+    from ray_runtime import LLM, SamplingParams
+
+    model = tiny_llama(f"{args.model_dir}_{args.hidden}x{args.layers}", hidden=args.hidden,
+                       layers=args.layers, heads=max(1, args.hidden // 64),
+                       kv_heads=max(1, args.hidden // 128), intermediate=args.hidden * 3,
+                       vocab=4096)
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 4096) for _ in range(rng.randint(*args.prompt_len))]}
+               for _ in range(args.requests)]
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    ray.init(num_cpus=max(8, max(args.pp)), include_dashboard=False, log_to_driver=False)
+    rows = []
+    for pp in args.pp:
+        for async_scheduling in (False, True):
+            trace = os.path.join(args.trace_dir, f"pp{pp}_{'async' if async_scheduling else 'sync'}.json") \
+                if args.trace_dir else None
+            with LLM(model, pipeline_parallel_size=pp, device=args.device, dtype=args.dtype,
+                     max_num_seqs=args.requests, max_num_batched_tokens=args.max_num_batched_tokens,
+                     async_scheduling=async_scheduling, trace_file=trace) as llm:
+                llm.generate(prompts[:2], SamplingParams(max_tokens=2))  # warm-up
+                before = llm.stats()
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, sp)
+                elapsed = time.perf_counter() - t0
+                st = llm.stats()
+            n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+            steps = st["num_steps"] - before["num_steps"]
+            busy = [b - b0 for b, b0 in zip(st["stage_busy_s"], before["stage_busy_s"])]
+            idle = [i - i0 for i, i0 in zip(st["stage_idle_s"], before["stage_idle_s"])]
+            rows.append({"pp": pp, "async": async_scheduling, "output_tok_s": round(n_out / elapsed, 1),
+                         "elapsed_s": round(elapsed, 3), "steps": steps,
+                         "stage_idle_fraction": [round(i / (b + i), 3) if b + i else 0.0
+                                                 for b, i in zip(busy, idle)],
+                         "driver_plan_ms_per_step": round(1e3 * (st["driver_plan_s"] - before["driver_plan_s"]) / steps, 3),
+                         "stage_digest_ms_per_step": [round(1e3 * (d - d0) / steps, 3) for d, d0 in
+                                                      zip(st["stage_digest_s"], before["stage_digest_s"])]})
+            r = rows[-1]
+            print(f"PP={pp} {'async' if async_scheduling else 'sync ':5} {r['output_tok_s']:>8} tok/s "
+                  f"steps {steps:>4}  idle {r['stage_idle_fraction']}  plan {r['driver_plan_ms_per_step']} ms/step "
+                  f"digest {r['stage_digest_ms_per_step']} ms/step", flush=True)
+    for pp in args.pp:
+        s, a = [r for r in rows if r["pp"] == pp]
+        print(f"PP={pp}: async_speedup = {a['output_tok_s'] / s['output_tok_s']:.2f}")
+    ray.shutdown()
+    path = save("pipeline_idle", {"model": {"family": "llama", "hidden": args.hidden, "layers": args.layers,
+                                            "dtype": args.dtype, "weights": "random"},
+                                  "workload": {"requests": args.requests, "prompt_len": args.prompt_len,
+                                               "max_tokens": args.max_tokens,
+                                               "max_num_batched_tokens": args.max_num_batched_tokens},
+                                  "rows": rows})
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

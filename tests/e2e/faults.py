@@ -1,0 +1,56 @@
+"""Fault hooks for the reconciliation tests: each runs inside one stage actor right after a
+plan is applied (`StageRunner.fault_hook`) and corrupts that rank's bookkeeping once."""
+from __future__ import annotations
+
+import json
+
+from stages.input_batch import InputBatch
+
+
+class _Once:
+    def __init__(self, log_path: str, min_step: int = 4) -> None:
+        self.log_path = log_path
+        self.min_step = min_step
+        self.fired = False
+
+    def _target(self, batch: InputBatch, plan):
+        """A request in mid-decode or mid-prefill that this plan runs, with some history."""
+        for d in plan.cached_reqs:
+            row = batch.req_id_to_row[d.req_id]
+            if batch.num_tokens_known[row] > 8 and d.num_computed_tokens > 4:
+                return d.req_id, row
+        return None
+
+    def __call__(self, batch: InputBatch, plan) -> None:
+        if self.fired or plan.step_id < self.min_step:
+            return
+        target = self._target(batch, plan)
+        if target is None:
+            return
+        self.fired = True
+        req_id, row = target
+        what = self.corrupt(batch, row)
+        with open(self.log_path, "w") as f:
+            json.dump({"step": plan.step_id, "req_id": req_id, "what": what}, f)
+
+
+class CorruptToken(_Once):
+    def corrupt(self, batch: InputBatch, row: int) -> str:
+        batch.token_ids[row, 3] = (batch.token_ids[row, 3] + 1) % 100 + 3
+        return "token 3"
+
+
+class CorruptComputedCounter(_Once):
+    def corrupt(self, batch: InputBatch, row: int) -> str:
+        batch.num_computed_tokens[row] -= 1
+        return "num_computed_tokens"
+
+
+class PlantSeed1Bug:
+    """vLLM's PR 41133 bug, planted: a non-last rank sets its known-prefix counter from
+    num_computed_tokens + len(new_token_ids). During chunked prefill that shrinks it."""
+
+    def __call__(self, batch: InputBatch, plan) -> None:
+        for d in plan.cached_reqs:
+            row = batch.req_id_to_row[d.req_id]
+            batch.num_tokens_known[row] = d.num_computed_tokens + len(d.new_token_ids)
