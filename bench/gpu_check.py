@@ -1,0 +1,164 @@
+"""The runtime on GPUs, as it stands (torch reference attention, NCCL between stages):
+greedy agreement with HF on the GPU (fp32 exact, bf16 as a rate) and throughput against HF
+`generate` on the same GPU, PP=1 vs PP=2, async vs sync.
+
+  python bench/gpu_check.py [--requests 64] [--max-tokens 64] [--skip-throughput]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.common import save  # noqa: E402
+
+
+def qwen3_dir(root: str, layers: int, dtype: torch.dtype, small: bool) -> str:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    path = os.path.join(root, f"qwen3_{'small' if small else '0.6b'}_{layers}")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    torch.manual_seed(0)
+    if small:
+        cfg = Qwen3Config(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                          max_position_embeddings=4096, initializer_range=0.1, tie_word_embeddings=True)
+    else:  # Qwen3-0.6B shape
+        cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                          num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8,
+                          head_dim=128, max_position_embeddings=4096, tie_word_embeddings=True)
+    AutoModelForCausalLM.from_config(cfg, dtype=dtype).save_pretrained(path)
+    return path
+
+
+def hf_greedy(model, prompt, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def agreement(model_dir, dtype_name, pp_sizes, n_req, n_tok, rng):
+    from transformers import AutoModelForCausalLM
+
+    from ray_runtime import LLM, SamplingParams
+
+    dtype = getattr(torch, dtype_name)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
+    vocab = hf.config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(16, 200))] for _ in range(n_req)]
+    refs = [hf_greedy(hf, p, n_tok) for p in prompts]
+    del hf
+    torch.cuda.empty_cache()
+    rows = []
+    for pp in pp_sizes:
+        with LLM(model_dir, pipeline_parallel_size=pp, device="cuda", dtype=dtype_name,
+                 max_num_batched_tokens=512, num_kv_blocks=2048) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                SamplingParams(max_tokens=n_tok, temperature=0, ignore_eos=True))
+            mism = llm.stats()["bookkeeping_mismatches"]
+        exact, first_div = 0, []
+        for o, ref in zip(outs, refs):
+            ours = o.outputs[0].token_ids
+            if ours == ref:
+                exact += 1
+            else:
+                first_div.append(next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b))
+        rows.append({"dtype": dtype_name, "pp": pp, "requests": n_req, "tokens": n_tok,
+                     "exact": exact, "agreement_rate": exact / n_req, "bookkeeping_mismatches": mism,
+                     "first_divergence_positions": sorted(first_div)})
+        print(f"agreement {dtype_name} PP={pp}: {exact}/{n_req} exact; first divergences {sorted(first_div)[:20]}",
+              flush=True)
+    return rows
+
+
+def throughput(model_dir, n_req, out_len, rng, pp_sizes):
+    from transformers import AutoModelForCausalLM
+
+    from ray_runtime import LLM, SamplingParams
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    vocab = hf.config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(100, 300))] for _ in range(n_req)]
+    # HF at its best here: batched generate, left padding, one batch of all requests.
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((n_req, width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        hf.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=out_len, min_new_tokens=out_len,
+                    do_sample=False, eos_token_id=None, pad_token_id=0)
+    torch.cuda.synchronize()
+    hf_s = time.perf_counter() - t0
+    del hf
+    torch.cuda.empty_cache()
+    rows = [{"engine": "hf_generate_batched", "pp": 1, "output_tok_s": round(n_req * out_len / hf_s, 1),
+             "elapsed_s": round(hf_s, 2)}]
+    print(f"HF generate: {rows[-1]['output_tok_s']} tok/s", flush=True)
+    sp = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    for pp in pp_sizes:
+        if pp > torch.cuda.device_count():
+            continue
+        for async_scheduling in (False, True):
+            with LLM(model_dir, pipeline_parallel_size=pp, device="cuda", dtype="bfloat16",
+                     max_num_seqs=n_req, max_num_batched_tokens=4096, num_kv_blocks=8192,
+                     async_scheduling=async_scheduling) as llm:
+                llm.generate(reqs[:2], SamplingParams(max_tokens=2))
+                b = llm.stats()
+                t0 = time.perf_counter()
+                llm.generate(reqs, sp)
+                el = time.perf_counter() - t0
+                st = llm.stats()
+            steps = st["num_steps"] - b["num_steps"]
+            idle = [round((i - i0) / max(1e-9, (bb - b0) + (i - i0)), 3) for bb, b0, i, i0 in
+                    zip(st["stage_busy_s"], b["stage_busy_s"], st["stage_idle_s"], b["stage_idle_s"])]
+            rows.append({"engine": "ray_runtime", "pp": pp, "async": async_scheduling,
+                         "output_tok_s": round(n_req * out_len / el, 1), "elapsed_s": round(el, 2),
+                         "steps": steps, "ms_per_step": round(1e3 * el / steps, 2), "stage_idle_fraction": idle})
+            print(f"ours PP={pp} async={async_scheduling}: {rows[-1]}", flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--root", default="/tmp/ray_runtime_gpu")
+    p.add_argument("--skip-throughput", action="store_true")
+    args = p.parse_args()
+    import ray
+
+    env = {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                      "NVSHMEM_DISABLE_NVLS", "PYTHONPATH") if k in os.environ}
+    ray.init(runtime_env={"env_vars": env}, include_dashboard=False)
+    rng = random.Random(0)
+    pps = [1, 2] if torch.cuda.device_count() >= 2 else [1]
+    small = qwen3_dir(args.root, 5, torch.float32, small=True)
+    result = {"gpus": torch.cuda.device_count(), "agreement": []}
+    result["agreement"] += agreement(small, "float32", pps, 32, 32, rng)
+    result["agreement"] += agreement(small, "bfloat16", pps[:1], 200, 32, rng)
+    if not args.skip_throughput:
+        big = qwen3_dir(args.root, args.layers, torch.bfloat16, small=False)
+        result["throughput"] = throughput(big, args.requests, args.max_tokens, rng, pps)
+        result["throughput_model"] = {"shape": "Qwen3-0.6B", "layers": args.layers, "dtype": "bfloat16",
+                                      "weights": "random", "requests": args.requests,
+                                      "input_len": [100, 300], "output_len": args.max_tokens}
+    print("wrote", save("gpu_check", result))
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
