@@ -136,8 +136,9 @@ def cmd_demo(args) -> int:
         print(f"\nPP={args.pipeline_parallel_size} on {args.device}: {len(outs)} requests, "
               f"{n_out} output tokens in {elapsed:.2f}s = {n_out / elapsed:.1f} tok/s")
         stats = llm.stats()
-        print(f"steps {stats['num_steps']}, driver step wall {stats['step_wall_s']:.2f}s, "
-              f"stage compute {[round(s, 2) for s in stats['stage_compute_s']]}s")
+        print(f"steps {stats['num_steps']}, stage idle fraction "
+              f"{[round(f, 3) for f in stats['stage_idle_fraction']]}, bookkeeping mismatches "
+              f"{stats['bookkeeping_mismatches']}")
     return 0
 
 

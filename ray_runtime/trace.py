@@ -3,6 +3,7 @@ driver, and the idle fractions computed from the same spans."""
 from __future__ import annotations
 
 import json
+import os
 from typing import Optional
 
 from ray_runtime.messages import StageTiming
@@ -67,5 +68,6 @@ class PipelineTrace:
         return {"traceEvents": names + self.events, "displayTimeUnit": "ms"}
 
     def write(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(self.to_json(), f)
