@@ -6,8 +6,9 @@ A step's tokens are laid out request by request; request i owns query rows
 seq_lens[i] tokens, so a prefill chunk attends to its cached prefix and causally within
 itself, and a decode row is a chunk of one.
 
-These are the torch references: the CPU path, and the oracle for the Triton kernels of the
-GPU issue, which will plug in behind the same two functions.
+`*_ref` are the torch references: the oracle for the Triton kernels of the GPU issue, which
+will plug in behind `write_kv` and `paged_attention`. `paged_attention` runs every decode row
+of a step in one batched gather (no per-request loop) and the prefill chunks one by one.
 """
 from __future__ import annotations
 
@@ -51,11 +52,55 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     return out
 
 
+def decode_attention_batched(query: torch.Tensor, key_cache: torch.Tensor,
+                             value_cache: torch.Tensor, block_tables: torch.Tensor,
+                             seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode rows only (one query token each, at the end of its context), all at once:
+    gather every row's blocks, mask past each context. query: [rows, heads, head_dim];
+    block_tables: [rows, >= max blocks]; seq_lens: [rows] tensor."""
+    rows, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_ctx = int(seq_lens.max())
+    num_blocks = -(-max_ctx // block_size)
+    tables = block_tables[:, :num_blocks]
+    k = key_cache[tables].reshape(rows, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_ctx]
+    v = value_cache[tables].reshape(rows, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_ctx]
+    past_end = torch.arange(max_ctx, device=query.device)[None, :] >= seq_lens[:, None]  # [rows, ctx]
+    v = v.masked_fill(past_end[:, :, None, None], 0.0)  # slots past a context may hold anything
+    q = query.view(rows, num_kv_heads, group, head_dim)
+    scores = torch.einsum("rkgd,rlkd->rkgl", q, k) * scale
+    scores = scores.masked_fill(past_end[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.einsum("rkgl,rlkd->rkgd", probs, v).reshape(rows, num_heads, head_dim)
+
+
 def write_kv(key_cache, value_cache, key, value, slot_mapping) -> None:
     write_kv_ref(key_cache, value_cache, key, value, slot_mapping)
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                     scale) -> torch.Tensor:
-    return paged_attention_ref(query, key_cache, value_cache, block_tables, seq_lens,
-                               query_start_loc, scale)
+    """Decode rows in one batched gather; prefill chunks one request at a time."""
+    q_lens = [b - a for a, b in zip(query_start_loc[:-1], query_start_loc[1:])]
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    if len(decode) < 2:
+        return paged_attention_ref(query, key_cache, value_cache, block_tables, seq_lens,
+                                   query_start_loc, scale)
+    device = query.device
+    if len(decode) == len(q_lens):
+        return decode_attention_batched(query, key_cache, value_cache, block_tables,
+                                        torch.tensor(seq_lens, device=device), scale)
+    out = torch.empty_like(query)
+    rows = torch.tensor([query_start_loc[i] for i in decode], device=device)
+    out[rows] = decode_attention_batched(
+        query.index_select(0, rows), key_cache, value_cache,
+        block_tables.index_select(0, torch.tensor(decode, device=device)),
+        torch.tensor([seq_lens[i] for i in decode], device=device), scale)
+    for i, n in enumerate(q_lens):
+        if n == 1:
+            continue
+        a, b = query_start_loc[i], query_start_loc[i + 1]
+        out[a:b] = paged_attention_ref(query[a:b], key_cache, value_cache, block_tables[i:i + 1],
+                                       [seq_lens[i]], [0, n], scale)
+    return out

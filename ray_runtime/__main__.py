@@ -136,10 +136,29 @@ def cmd_demo(args) -> int:
         print(f"\nPP={args.pipeline_parallel_size} on {args.device}: {len(outs)} requests, "
               f"{n_out} output tokens in {elapsed:.2f}s = {n_out / elapsed:.1f} tok/s")
         stats = llm.stats()
+        if args.result_json:
+            _save_demo_result(args, len(outs), n_out, elapsed, stats)
         print(f"steps {stats['num_steps']}, stage idle fraction "
               f"{[round(f, 3) for f in stats['stage_idle_fraction']]}, bookkeeping mismatches "
               f"{stats['bookkeeping_mismatches']}")
     return 0
+
+
+def _save_demo_result(args, n_req: int, n_out: int, elapsed: float, stats: dict) -> None:
+    import datetime
+    import os
+    import platform
+
+    record = {"bench": "demo", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "command": "python -m ray_runtime " + " ".join(sys.argv[1:]),
+              "device": f"{args.device}: {platform.machine()} x{os.cpu_count()}",
+              "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized, run in " + args.dtype + ")",
+              "pipeline_parallel_size": args.pipeline_parallel_size, "requests": n_req,
+              "output_tokens": n_out, "elapsed_s": round(elapsed, 3),
+              "output_tok_s": round(n_out / elapsed, 2), "steps": stats["num_steps"],
+              "stage_idle_fraction": stats["stage_idle_fraction"]}
+    with open(args.result_json, "w") as f:
+        json.dump(record, f, indent=1)
 
 
 def main(argv=None) -> int:
@@ -153,6 +172,7 @@ def main(argv=None) -> int:
     demo = sub.add_parser("demo", help="chat answers from SmolLM2-135M-Instruct, with tok/s")
     _engine_args(demo)
     demo.add_argument("--max-tokens", type=int, default=96)
+    demo.add_argument("--result-json", default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     try:
         return cmd_generate(args) if args.command == "generate" else cmd_demo(args)

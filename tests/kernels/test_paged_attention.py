@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from kernels.paged_attention import paged_attention_ref, write_kv_ref
+from kernels.paged_attention import paged_attention, paged_attention_ref, write_kv_ref
 
 NUM_KV_HEADS = 2
 ATOL = 1e-5
@@ -44,6 +44,17 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d) + mask
     out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
     return out.float()
+
+
+@pytest.fixture(params=["ref", "dispatch"], autouse=True)
+def attention_impl(request, monkeypatch):
+    """Every case runs on the per-request reference and on the batched-decode dispatcher."""
+    global _ATTENTION
+    _ATTENTION = paged_attention_ref if request.param == "ref" else paged_attention
+    yield request.param
+
+
+_ATTENTION = paged_attention_ref
 
 
 def _run_case(reqs: list[tuple[int, int]], *, group: int, head_dim: int, block_size: int,
@@ -107,8 +118,8 @@ def _run_case(reqs: list[tuple[int, int]], *, group: int, head_dim: int, block_s
     query = torch.randn(query_start_loc[-1], num_heads, head_dim, generator=gen)
     seq_lens = [ctx for ctx, _ in reqs]
 
-    out = paged_attention_ref(query, key_cache, value_cache, block_tables, seq_lens,
-                              query_start_loc, 1.0 / math.sqrt(head_dim))
+    out = _ATTENTION(query, key_cache, value_cache, block_tables, seq_lens,
+                     query_start_loc, 1.0 / math.sqrt(head_dim))
     assert out.shape == query.shape and out.dtype == torch.float32
     assert not torch.isnan(out).any()
     for i, (ctx, q_len) in enumerate(reqs):
@@ -135,6 +146,13 @@ MIXED = [
 def test_mixed_batch_matches_dense(group, head_dim, block_size):
     _run_case(MIXED, group=group, head_dim=head_dim, block_size=block_size,
               seed=100 * group + head_dim + block_size)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("group", [1, 4])
+def test_all_decode_rows(group, block_size):
+    _run_case([(9, 1), (1, 1), (40, 1), (21, 1), (33, 1)], group=group, head_dim=16,
+              block_size=block_size, seed=8)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
