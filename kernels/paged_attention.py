@@ -7,8 +7,9 @@ seq_lens[i] tokens, so a prefill chunk attends to its cached prefix and causally
 itself, and a decode row is a chunk of one.
 
 `*_ref` are the torch references: the oracle for the Triton kernels of the GPU issue, which
-will plug in behind `write_kv` and `paged_attention`. `paged_attention` runs every decode row
-of a step in one batched gather (no per-request loop) and the prefill chunks one by one.
+plug in behind `write_kv` and `paged_attention`. `paged_attention` runs every decode row of
+a step at once (the Triton kernel of decode_attention_triton.py on CUDA, a batched gather on
+CPU) and the prefill chunks one request at a time.
 """
 from __future__ import annotations
 
@@ -75,6 +76,16 @@ def decode_attention_batched(query: torch.Tensor, key_cache: torch.Tensor,
     return torch.einsum("rkgl,rlkd->rkgd", probs, v).reshape(rows, num_heads, head_dim)
 
 
+def _decode_rows(query, key_cache, value_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+    """Triton on CUDA; the batched torch gather on CPU (and as the Triton kernel's oracle)."""
+    if query.is_cuda:
+        from kernels.decode_attention_triton import paged_decode_attention
+
+        return paged_decode_attention(query.contiguous(), key_cache, value_cache, block_tables,
+                                      seq_lens, scale)
+    return decode_attention_batched(query, key_cache, value_cache, block_tables, seq_lens, scale)
+
+
 def write_kv(key_cache, value_cache, key, value, slot_mapping) -> None:
     write_kv_ref(key_cache, value_cache, key, value, slot_mapping)
 
@@ -89,11 +100,11 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
                                    query_start_loc, scale)
     device = query.device
     if len(decode) == len(q_lens):
-        return decode_attention_batched(query, key_cache, value_cache, block_tables,
-                                        torch.tensor(seq_lens, device=device), scale)
+        return _decode_rows(query, key_cache, value_cache, block_tables,
+                            torch.tensor(seq_lens, device=device), scale)
     out = torch.empty_like(query)
     rows = torch.tensor([query_start_loc[i] for i in decode], device=device)
-    out[rows] = decode_attention_batched(
+    out[rows] = _decode_rows(
         query.index_select(0, rows), key_cache, value_cache,
         block_tables.index_select(0, torch.tensor(decode, device=device)),
         torch.tensor([seq_lens[i] for i in decode], device=device), scale)

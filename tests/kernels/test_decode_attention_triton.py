@@ -1,0 +1,55 @@
+"""The Triton decode-attention kernel against the torch reference, on CPU through Triton's
+interpreter (TRITON_INTERPRET=1); the GPU run of the same comparison is bench/gpu_check.py."""
+import math
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kernels.decode_attention_triton import paged_decode_attention  # noqa: E402
+from kernels.paged_attention import paged_attention_ref  # noqa: E402
+
+
+def _case(ctx_lens, *, group, head_dim, block_size, num_kv_heads=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    per_req = [-(-c // block_size) for c in ctx_lens]
+    num_blocks = sum(per_req) + 2
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(ctx_lens), max(per_req) + 1, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(per_req):
+        tables[i, :n] = order[used:used + n]
+        used += n
+    kc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    vc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    q = torch.randn(len(ctx_lens), num_kv_heads * group, head_dim, generator=gen)
+    scale = 1.0 / math.sqrt(head_dim)
+    ours = paged_decode_attention(q, kc, vc, tables, torch.tensor(ctx_lens, dtype=torch.int32), scale)
+    ref = paged_attention_ref(q, kc, vc, tables.long(), list(ctx_lens),
+                              list(range(len(ctx_lens) + 1)), scale)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 3])
+@pytest.mark.parametrize("head_dim,block_size", [(16, 4), (64, 16), (128, 16)])
+def test_matches_reference(group, head_dim, block_size):
+    _case([1, block_size, block_size + 1, 3 * block_size, 37], group=group, head_dim=head_dim,
+          block_size=block_size, seed=group * head_dim)
+
+
+def test_single_row_single_token():
+    _case([1], group=2, head_dim=16, block_size=16)
+
+
+def test_shape_validation():
+    q = torch.zeros(2, 4, 16)
+    kc = torch.zeros(3, 4, 3, 16)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_decode_attention(q, kc, kc, torch.zeros(2, 2, dtype=torch.int32),
+                               torch.ones(2, dtype=torch.int32), 0.25)
+    with pytest.raises(ValueError, match="power of two"):
+        kc5 = torch.zeros(3, 5, 2, 16)
+        paged_decode_attention(q, kc5, kc5, torch.zeros(2, 2, dtype=torch.int32),
+                               torch.ones(2, dtype=torch.int32), 0.25)
