@@ -8,7 +8,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+import torch  # noqa: E402
+
 from tests.tiny_models import VOCAB, make_tiny_model  # noqa: E402
+
+# In-process tensors here are tiny: one intra-op thread avoids spin contention with the
+# stage actors on a 2-core machine.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

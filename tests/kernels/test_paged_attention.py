@@ -18,15 +18,6 @@ NUM_KV_HEADS = 2
 ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: one intra-op thread avoids spin contention on a shared CPU box."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      group: int) -> torch.Tensor:
     """q: [q_len, heads, d] at the last q_len positions of a context of k.shape[0] tokens;

@@ -11,14 +11,6 @@ from stages.model_spec import ModelSpec
 from tests.tiny_models import ARCHS
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 def _stages(model_dir, pp):
     spec = ModelSpec.from_dir(model_dir)
     ranges = stage_layer_ranges(spec.num_layers, pp, None)

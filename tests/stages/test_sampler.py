@@ -12,15 +12,6 @@ from stages.sampler import Sampler, apply_filters, seeded_generator
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: one intra-op thread avoids spin contention on a shared CPU box."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 @pytest.fixture
 def sampler() -> Sampler:
     return Sampler(CPU)
