@@ -1,7 +1,6 @@
 """The Python API on one shared engine: bad input, seeded sampling, logprobs, text I/O."""
 import json
 import math
-import os
 import shutil
 
 import pytest

@@ -368,7 +368,6 @@ def test_cached_reqs_carry_only_new_tokens():
     while h.s.has_unfinished():
         plan = h.step()
         for c in plan.cached_reqs:
-            req = h.all[c.req_id]
             assert len(c.new_token_ids) <= 1  # one sampled token per step, never the history
             seen[c.req_id] += c.new_token_ids
     # Everything the ranks were sent by deltas is the output except the last token (never
