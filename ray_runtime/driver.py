@@ -68,10 +68,9 @@ class Driver:
         self._wait_s = 0.0
 
     def _size_kv_pool(self) -> int:
-        bs = self.config.block_size
-        useful = self.config.max_num_seqs * -(-self.max_model_len // bs)
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
+        useful = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
         capacity = min(ray.get([s.kv_block_capacity.remote() for s in self.stages]))
         return max(1, min(capacity, useful))
 
@@ -91,15 +90,33 @@ class Driver:
             self._num_prompt_tokens += len(spec.prompt_token_ids)
         finished: list[FinishedRequest] = []
         self.trace.reset_window()
-        while sched.has_unfinished() or self._inflight:
-            self._fill_pipeline()
-            if not self._inflight:
-                raise RuntimeError("scheduler has unfinished requests but planned nothing")
-            self._complete_oldest()
-            finished.extend(self._collect(sched.pop_finished()))
+        try:
+            while sched.has_unfinished() or self._inflight:
+                self._fill_pipeline()
+                if not self._inflight:
+                    raise RuntimeError("scheduler has unfinished requests but planned nothing")
+                self._complete_oldest()
+                finished.extend(self._collect(sched.pop_finished()))
+        except BaseException:
+            self._abandon(requests)
+            raise
         if self.config.trace_file:
             self.trace.write(self.config.trace_file)
         return finished
+
+    def _abandon(self, requests: list[RequestSpec]) -> None:
+        """After a failed call, leave the engine ready for the next one: this call's requests
+        are aborted (their rows leave the ranks with the next plan) and in-flight steps are
+        drained, their results dropped."""
+        for spec in requests:
+            self.scheduler.abort_request(spec.req_id)
+        while self._inflight:
+            _record, futures = self._inflight.popleft()
+            try:
+                ray.get(futures)
+            except Exception:  # noqa: BLE001 - the first error is the one being raised
+                pass
+        self.scheduler.pop_finished()
 
     def _fill_pipeline(self) -> None:
         """Plan and launch steps until max_inflight are out or nothing more can run now:

@@ -33,6 +33,10 @@ def test_corruption_is_detected_within_one_step(ray_cluster, tiny_model, tmp_pat
         llm.set_fault_hook(rank, hook_cls(str(log)))
         with pytest.raises(Exception) as err:
             _generate(llm, prompts, budgets)
+        # The failed call leaves the engine serving: without the fault, exact outputs.
+        llm.set_fault_hook(rank, None)
+        again = _generate(llm, prompts[:4], budgets[:4])
+        _compare(model, again, prompts[:4], budgets[:4])
     fired = json.loads(log.read_text())
     msg = str(err.value)
     assert "bookkeeping mismatch" in msg
