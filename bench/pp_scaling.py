@@ -1,0 +1,119 @@
+"""PP scaling on a Llama-3-8B-shaped model (32 layers, hidden 4096, intermediate 14336,
+32 heads, 8 KV heads, vocab 128256), random bf16 weights: PP=1 on one GPU vs PP=2 on two,
+async, one saturating workload. pp2_scaling_efficiency = tput(PP2) / (2 x tput(PP1)).
+
+  python bench/pp_scaling.py [--requests 256] [--input-len 256] [--output-len 128] [--pp 1 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.common import save  # noqa: E402
+
+SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+             num_key_value_heads=8, vocab_size=128256, head_dim=128)
+
+
+def random_llama8b(path: str) -> str:
+    """Random weights written shard by shard from the GPU (no 8B-parameter init on the CPU)."""
+    from safetensors.torch import save_file
+
+    if os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
+        return path
+    os.makedirs(path, exist_ok=True)
+    h, i, v, kv = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"], 8 * 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape):
+        return (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02).cpu()
+
+    weight_map = {}
+
+    def write(name, tensors):
+        save_file(tensors, os.path.join(path, name))
+        weight_map.update({k: name for k in tensors})
+
+    write("embed.safetensors", {"model.embed_tokens.weight": rnd(v, h), "lm_head.weight": rnd(v, h),
+                                "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)})
+    for layer in range(SHAPE["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        write(f"layer{layer}.safetensors", {
+            p + "self_attn.q_proj.weight": rnd(h, h), p + "self_attn.k_proj.weight": rnd(kv, h),
+            p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, h),
+            p + "mlp.gate_proj.weight": rnd(i, h), p + "mlp.up_proj.weight": rnd(i, h),
+            p + "mlp.down_proj.weight": rnd(h, i),
+            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
+           "max_position_embeddings": 8192, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+           "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+           "bos_token_id": 128000, "eos_token_id": 128001, **SHAPE}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--pp", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--path", default="/tmp/ray_runtime_gpu/llama3_8b_random")
+    args = p.parse_args()
+    import ray
+
+    from ray_runtime import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    model = random_llama8b(args.path)
+    print(f"checkpoint ready in {time.perf_counter() - t0:.0f}s", flush=True)
+    env = {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                      "NVSHMEM_DISABLE_NVLS") if k in os.environ}
+    ray.init(runtime_env={"env_vars": env}, include_dashboard=False)
+    rng = random.Random(0)
+    reqs = [{"prompt_token_ids": [rng.randrange(3, 128000) for _ in range(args.input_len)]}
+            for _ in range(args.requests)]
+    sp = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    rows = []
+    for pp in args.pp:
+        blocks = args.requests * ((args.input_len + args.output_len) // 16 + 2)
+        with LLM(model, pipeline_parallel_size=pp, device="cuda", dtype="bfloat16",
+                 max_num_seqs=args.requests, max_num_batched_tokens=8192, num_kv_blocks=blocks,
+                 max_model_len=args.input_len + args.output_len + 16) as llm:
+            llm.generate(reqs[:2], SamplingParams(max_tokens=2))
+            b = llm.stats()
+            t0 = time.perf_counter()
+            llm.generate(reqs, sp)
+            el = time.perf_counter() - t0
+            st = llm.stats()
+        idle = [round((i - i0) / max(1e-9, (bb - b0) + (i - i0)), 3) for bb, b0, i, i0 in
+                zip(st["stage_busy_s"], b["stage_busy_s"], st["stage_idle_s"], b["stage_idle_s"])]
+        rows.append({"pp": pp, "async": True, "elapsed_s": round(el, 2),
+                     "output_tok_s": round(args.requests * args.output_len / el, 1),
+                     "steps": st["num_steps"] - b["num_steps"], "stage_idle_fraction": idle})
+        print(rows[-1], flush=True)
+    result = {"model": {"shape": "Llama-3-8B", **SHAPE, "dtype": "bfloat16", "weights": "random"},
+              "workload": {"requests": args.requests, "input_len": args.input_len,
+                           "output_len": args.output_len, "ignore_eos": True}, "rows": rows}
+    by_pp = {r["pp"]: r["output_tok_s"] for r in rows}
+    if 1 in by_pp and 2 in by_pp:
+        result["pp2_scaling_efficiency"] = round(by_pp[2] / (2 * by_pp[1]), 3)
+        print("pp2_scaling_efficiency", result["pp2_scaling_efficiency"])
+    ray.shutdown()
+    print("wrote", save("pp_scaling", result))
+
+
+if __name__ == "__main__":
+    main()
