@@ -58,3 +58,32 @@ def tiny_llama(path: str, *, hidden: int, layers: int, heads: int, kv_heads: int
                       vocab_size=vocab, max_position_embeddings=max_pos, tie_word_embeddings=False)
     LlamaForCausalLM(cfg).save_pretrained(path)
     return path
+
+
+def idle_fractions_between(before: dict, after: dict) -> list[float]:
+    """Per-stage idle / (busy + idle) over the window between two stats() snapshots."""
+    out = []
+    for b1, b0, i1, i0 in zip(after["stage_busy_s"], before["stage_busy_s"],
+                              after["stage_idle_s"], before["stage_idle_s"]):
+        busy, idle = b1 - b0, i1 - i0
+        out.append(round(idle / (busy + idle), 3) if busy + idle else 0.0)
+    return out
+
+
+def left_padded(prompts: list[list[int]]):
+    """(input_ids, attention_mask) for HF batched generate, padded on the left with 0."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def gpu_ray_env() -> dict:
+    """The variables every Ray worker needs on the multi-GPU machines (NVLink multicast off)."""
+    return {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                       "NVSHMEM_DISABLE_NVLS", "PYTHONPATH") if k in os.environ}

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.common import save  # noqa: E402
+from bench.common import gpu_ray_env, idle_fractions_between, left_padded, save  # noqa: E402
 
 
 def qwen3_dir(root: str, layers: int, dtype: torch.dtype, small: bool) -> str:
@@ -88,12 +88,7 @@ def throughput(model_dir, n_req, out_len, rng, pp_sizes):
     vocab = hf.config.vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(100, 300))] for _ in range(n_req)]
     # HF at its best here: batched generate, left padding, one batch of all requests.
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros((n_req, width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+    ids, mask = left_padded(prompts)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -122,8 +117,7 @@ def throughput(model_dir, n_req, out_len, rng, pp_sizes):
                 el = time.perf_counter() - t0
                 st = llm.stats()
             steps = st["num_steps"] - b["num_steps"]
-            idle = [round((i - i0) / max(1e-9, (bb - b0) + (i - i0)), 3) for bb, b0, i, i0 in
-                    zip(st["stage_busy_s"], b["stage_busy_s"], st["stage_idle_s"], b["stage_idle_s"])]
+            idle = idle_fractions_between(b, st)
             rows.append({"engine": "ray_runtime", "pp": pp, "async": async_scheduling,
                          "output_tok_s": round(n_req * out_len / el, 1), "elapsed_s": round(el, 2),
                          "steps": steps, "ms_per_step": round(1e3 * el / steps, 2), "stage_idle_fraction": idle})
@@ -141,9 +135,7 @@ def main() -> None:
     args = p.parse_args()
     import ray
 
-    env = {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                      "NVSHMEM_DISABLE_NVLS", "PYTHONPATH") if k in os.environ}
-    ray.init(runtime_env={"env_vars": env}, include_dashboard=False)
+    ray.init(runtime_env={"env_vars": gpu_ray_env()}, include_dashboard=False)
     rng = random.Random(0)
     pps = [1, 2] if torch.cuda.device_count() >= 2 else [1]
     small = qwen3_dir(args.root, 5, torch.float32, small=True)

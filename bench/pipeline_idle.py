@@ -16,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import save, tiny_llama  # noqa: E402
+from bench.common import idle_fractions_between, save, tiny_llama  # noqa: E402
 
 
 def main() -> None:
@@ -63,12 +63,9 @@ def main() -> None:
                 st = llm.stats()
             n_out = sum(len(o.outputs[0].token_ids) for o in outs)
             steps = st["num_steps"] - before["num_steps"]
-            busy = [b - b0 for b, b0 in zip(st["stage_busy_s"], before["stage_busy_s"])]
-            idle = [i - i0 for i, i0 in zip(st["stage_idle_s"], before["stage_idle_s"])]
             rows.append({"pp": pp, "async": async_scheduling, "output_tok_s": round(n_out / elapsed, 1),
                          "elapsed_s": round(elapsed, 3), "steps": steps,
-                         "stage_idle_fraction": [round(i / (b + i), 3) if b + i else 0.0
-                                                 for b, i in zip(busy, idle)],
+                         "stage_idle_fraction": idle_fractions_between(before, st),
                          "driver_plan_ms_per_step": round(1e3 * (st["driver_plan_s"] - before["driver_plan_s"]) / steps, 3),
                          "stage_digest_ms_per_step": [round(1e3 * (d - d0) / steps, 3) for d, d0 in
                                                       zip(st["stage_digest_s"], before["stage_digest_s"])]})

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.common import save  # noqa: E402
+from bench.common import gpu_ray_env, idle_fractions_between, save  # noqa: E402
 
 SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
              num_key_value_heads=8, vocab_size=128256, head_dim=128)
@@ -79,9 +79,7 @@ def main() -> None:
     t0 = time.perf_counter()
     model = random_llama8b(args.path)
     print(f"checkpoint ready in {time.perf_counter() - t0:.0f}s", flush=True)
-    env = {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                      "NVSHMEM_DISABLE_NVLS") if k in os.environ}
-    ray.init(runtime_env={"env_vars": env}, include_dashboard=False)
+    ray.init(runtime_env={"env_vars": gpu_ray_env()}, include_dashboard=False)
     rng = random.Random(0)
     reqs = [{"prompt_token_ids": [rng.randrange(3, 128000) for _ in range(args.input_len)]}
             for _ in range(args.requests)]
@@ -98,8 +96,7 @@ def main() -> None:
             llm.generate(reqs, sp)
             el = time.perf_counter() - t0
             st = llm.stats()
-        idle = [round((i - i0) / max(1e-9, (bb - b0) + (i - i0)), 3) for bb, b0, i, i0 in
-                zip(st["stage_busy_s"], b["stage_busy_s"], st["stage_idle_s"], b["stage_idle_s"])]
+        idle = idle_fractions_between(b, st)
         rows.append({"pp": pp, "async": True, "elapsed_s": round(el, 2),
                      "output_tok_s": round(args.requests * args.output_len / el, 1),
                      "steps": st["num_steps"] - b["num_steps"], "stage_idle_fraction": idle})

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.common import save  # noqa: E402
+from bench.common import left_padded, save  # noqa: E402
 from bench.gpu_check import qwen3_dir  # noqa: E402
 
 
@@ -32,12 +32,7 @@ def run_hf(model_dir, prompts, out_lens, batch):
     t0 = time.perf_counter()
     for s in range(0, len(prompts), batch):
         group, outs = prompts[s:s + batch], out_lens[s:s + batch]
-        width = max(len(p) for p in group)
-        ids = torch.zeros((len(group), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(group):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+        ids, mask = left_padded(group)
         with torch.no_grad():
             hf.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=max(outs),
                         min_new_tokens=max(outs), do_sample=False, eos_token_id=None, pad_token_id=0)
