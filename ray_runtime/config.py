@@ -1,7 +1,6 @@
 """One frozen engine configuration: every knob lives here, none in environment variables."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -114,7 +113,3 @@ def load_hf_config(model_dir: str) -> dict:
         raise ValueError(f"model: architecture {arch!r} is not supported; supported: "
                          f"{sorted(SUPPORTED_ARCHITECTURES)}")
     return cfg
-
-
-def replace(config: EngineConfig, **changes) -> EngineConfig:
-    return dataclasses.replace(config, **changes)

@@ -26,10 +26,6 @@ def _table(log2_size: int) -> np.ndarray:
     return rng.integers(0, 2 ** 63, size=1 << log2_size, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
 
 
-def weight(position: int) -> int:
-    return int(hash_weights(position + 1)[position])
-
-
 def extend_hash(h: int, start: int, tokens: list[int]) -> int:
     """The driver's incremental update: h over tokens[:start] -> over tokens[:start+len]."""
     w = hash_weights(start + len(tokens))
