@@ -92,7 +92,8 @@ class LLM:
             validate_request(i, token_ids, sp, vocab_size=self.info["vocab_size"],
                              max_model_len=self.info["max_model_len"],
                              num_kv_blocks=self.info["num_kv_blocks"],
-                             block_size=self.info["block_size"])
+                             block_size=self.info["block_size"],
+                             num_lookahead=self.config.num_speculative_tokens)
             specs.append(RequestSpec(req_id=f"{i}-{uuid.uuid4().hex[:12]}",
                                      prompt_token_ids=list(token_ids), sampling=sp))
             texts.append(text)

@@ -15,6 +15,57 @@ SUPPORTED_ARCHITECTURES = {
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config dict, validated: {"method": "ngram", "num_speculative_tokens":
+    k, "prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method": "draft_model", "model":
+    DIR, "num_speculative_tokens": k}."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: Optional[str] = None  # the draft checkpoint (draft_model)
+
+    @classmethod
+    def from_dict(cls, d: "dict | SpeculativeConfig | None") -> "Optional[SpeculativeConfig]":
+        if d is None or isinstance(d, SpeculativeConfig):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+        extra = set(d) - known
+        if extra:
+            raise ValueError(f"speculative_config: unknown keys {sorted(extra)}; known: {sorted(known)}")
+        if "method" not in d or "num_speculative_tokens" not in d:
+            raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
+        return cls(**d)
+
+    def __post_init__(self) -> None:
+        def bad(field: str, why: str) -> ValueError:
+            return ValueError(f"speculative_config.{field} {why}")
+
+        if self.method not in SPEC_METHODS:
+            raise bad("method", f"must be one of {SPEC_METHODS}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise bad("num_speculative_tokens", f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if not isinstance(lo, int) or lo < 1:
+                raise bad("prompt_lookup_min", f"must be an integer >= 1, got {lo!r}")
+            if not isinstance(hi, int) or hi < lo:
+                raise bad("prompt_lookup_max", f"must be an integer >= prompt_lookup_min ({lo}), got {hi!r}")
+            if self.model is not None:
+                raise bad("model", "is only for method 'draft_model'")
+        elif not self.model or not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise bad("model", f"must be a checkpoint folder with a config.json, got {self.model!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -36,6 +87,11 @@ class EngineConfig:
     torch_threads_per_stage: int = 1
     debug_checks: bool = False  # run every InputBatch.check() each step
     placement_timeout_s: float = 60.0
+    speculative_config: Optional[SpeculativeConfig] = None
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative_config.num_speculative_tokens if self.speculative_config else 0
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -60,6 +116,8 @@ class EngineConfig:
                                             f"got {self.placement_strategy!r}")
         if self.on_mismatch not in ("repair", "raise"):
             raise bad("on_mismatch", f"must be 'repair' or 'raise', got {self.on_mismatch!r}")
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.from_dict(self.speculative_config))
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise bad("kv_cache_memory_fraction", f"must be in (0, 1], got {self.kv_cache_memory_fraction}")
 

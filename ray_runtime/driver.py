@@ -51,7 +51,8 @@ class Driver:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             num_kv_blocks=self.num_kv_blocks, block_size=config.block_size,
             max_model_len=self.max_model_len,
-            allow_placeholders=config.async_scheduling and pp == 1)
+            allow_placeholders=config.async_scheduling and pp == 1 and config.speculative_config is None,
+            num_speculative_tokens=config.num_speculative_tokens)
         # pp plans keep every stage busy; one more waits at stage 0 so that it starts the
         # next step while the driver is still reconciling the last rank's result.
         self.max_inflight = pp + 1 if config.async_scheduling else 1
@@ -193,6 +194,13 @@ class Driver:
                 "num_requests_finished": self._num_requests_finished,
                 "num_kv_blocks": self.num_kv_blocks, "num_free_kv_blocks": s.blocks.num_free_blocks,
                 "bookkeeping_mismatches": self._num_mismatches,
+                "spec_num_drafts": s.spec_num_drafts,
+                "spec_num_draft_tokens": s.spec_num_draft_tokens,
+                "spec_num_accepted_tokens": s.spec_num_accepted_tokens,
+                "spec_num_accepted_tokens_per_pos": list(s.spec_num_accepted_tokens_per_pos),
+                "spec_acceptance_rate": (s.spec_num_accepted_tokens / s.spec_num_draft_tokens
+                                         if s.spec_num_draft_tokens else None),
+                "spec_num_rolled_back_blocks": s.num_rolled_back_blocks,
                 "async_scheduling": self.config.async_scheduling,
                 "driver_plan_s": self._plan_s, "driver_wait_s": self._wait_s,
                 "driver_audit_s": self._audit_s, "stage_digest_s": list(self._digest_s),

@@ -31,6 +31,19 @@ class BlockManager:
         self._owned.setdefault(req_id, []).extend(new)
         return new
 
+    def num_owned(self, req_id: str) -> int:
+        return len(self._owned.get(req_id, ()))
+
+    def trim(self, req_id: str, num_tokens: int) -> int:
+        """Give back the blocks past what num_tokens tokens need (rejected drafts' slots);
+        returns how many were freed."""
+        owned = self._owned.get(req_id, [])
+        keep = -(-num_tokens // self.block_size)
+        surplus = owned[keep:]
+        del owned[keep:]
+        self._free.extend(surplus)
+        return len(surplus)
+
     def block_ids(self, req_id: str) -> list[int]:
         return list(self._owned.get(req_id, ()))
 

@@ -33,6 +33,11 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     new_token_ids: list[int]  # tokens [token_start, token_start + len) of the driver's view
     new_block_ids: list[int]
     num_computed_tokens: int  # the driver's count before this step, checked by every rank
+    # Index of new_block_ids[0] in the row's block table (a rollback shrinks it); None: append.
+    block_start: Optional[int] = None
+    # Speculative decoding: the drafts this step verifies, placed right after the known
+    # prefix. Every plan naming a request states its drafts (none: an empty list).
+    draft_token_ids: list[int] = []
 
 
 class StepPlan(msgspec.Struct, array_like=True):
@@ -61,6 +66,10 @@ class SamplerOutput(msgspec.Struct, array_like=True):
     logprob_token_ids: Optional[list[list[int]]] = None
     logprobs: Optional[list[list[float]]] = None
     num_logprob_ranks: Optional[list[int]] = None  # rank of the chosen token (1 = most likely)
+    # Speculative decoding, per request: drafts verified this step (the accepted ones are
+    # len(sampled_token_ids[i]) - 1 of them), and the proposal for its next step.
+    num_draft_tokens: Optional[list[int]] = None
+    draft_token_ids: Optional[list[list[int]]] = None
 
 
 class RowDigest(msgspec.Struct, array_like=True):
@@ -72,8 +81,9 @@ class RowDigest(msgspec.Struct, array_like=True):
     num_tokens_known: int  # the row's own counter
     hash_length: int  # the driver's count of known tokens, as the plan stated it
     num_computed_tokens: int
-    token_hash: int  # over token_ids[:hash_length] as the row holds them
+    token_hash: int  # over token_ids[:hash_length + num_draft_tokens] as the row holds them
     num_conflicts: int  # driver tokens that disagreed with what the row already held
+    num_draft_tokens: int = 0  # drafts the row holds after the known prefix
 
 
 class StageTiming(msgspec.Struct, array_like=True):

@@ -41,6 +41,7 @@ def audit(expected: dict[str, Expectation], digests: list[RowDigest], rank: int,
             ("incarnation", exp.incarnation, d.incarnation),
             ("hash_length", exp.num_tokens_known, d.hash_length),
             ("num_computed_tokens", exp.num_computed_tokens, d.num_computed_tokens),
+            ("num_draft_tokens", exp.num_draft_tokens, d.num_draft_tokens),
             ("token_hash", exp.token_hash, d.token_hash),
             ("num_conflicts", 0, d.num_conflicts),
         ]

@@ -10,6 +10,11 @@ planned: a request may be planned again while a step of it is in flight when
     single rank appends to its own row before it runs the next plan.
 Otherwise (PP>1) it waits for its token: each request then decodes every few steps and the
 micro-batches of different requests interleave in the pipeline.
+
+Speculative decoding: the last rank returns a proposal of drafts with each sample. A decode
+step of that request then runs 1 + m tokens (its last token and the m drafts); the driver
+counts them all as computed when it plans (optimistic: every draft accepted) and, when the
+result arrives, takes back the rejected ones and the KV blocks they no longer need.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
+from ray_runtime.digest import extend_hash
 from ray_runtime.kv_blocks import BlockManager
 from ray_runtime.messages import CachedRequestData, NewRequestData, SamplerOutput, StepPlan
 from ray_runtime.request import Request, RequestStatus
@@ -28,8 +34,9 @@ class Expectation:
 
     incarnation: int
     num_tokens_known: int
-    token_hash: int
+    token_hash: int  # over the known prefix and this step's drafts
     num_computed_tokens: int  # before the step
+    num_draft_tokens: int = 0
 
 
 @dataclass
@@ -38,15 +45,19 @@ class PlanRecord:
     incarnations: dict[str, int]  # of every scheduled request
     sampling: set[str]  # requests this step will sample a token for
     expected: dict[str, Expectation]
+    num_drafts: dict[str, int] = None  # drafts verified per request (speculative decoding)
 
 
 class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, num_kv_blocks: int,
-                 block_size: int, max_model_len: int, allow_placeholders: bool = False) -> None:
+                 block_size: int, max_model_len: int, allow_placeholders: bool = False,
+                 num_speculative_tokens: int = 0) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.allow_placeholders = allow_placeholders
+        # KV slots reserved past a step's tokens: the draft model writes its drafts' KV there.
+        self.num_lookahead = num_speculative_tokens
         self.blocks = BlockManager(num_kv_blocks, block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -59,6 +70,13 @@ class Scheduler:
         self.num_scheduled_tokens_total = 0
         self.num_placeholder_tokens = 0
         self.num_dropped_samples = 0  # late results: request finished, re-admitted or audited
+        # Speculative decoding, as vLLM counts it: steps that verified drafts, drafts
+        # verified, drafts accepted, and accepted per draft position.
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_num_accepted_tokens_per_pos = [0] * num_speculative_tokens
+        self.num_rolled_back_blocks = 0
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -90,6 +108,7 @@ class Scheduler:
         chosen: set[str] = set()
         new_reqs: list[NewRequestData] = []
         cached: list[CachedRequestData] = []
+        drafts_of: dict[str, list[int]] = {}
         preempted = False
 
         for req in list(self.running):
@@ -98,19 +117,23 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = req.num_tokens - req.num_computed_tokens
+            drafts: list[int] = []
             if num_new <= 0:
                 if not self._can_placeholder(req):
                     continue
                 num_new = 1
+            elif num_new == 1 and req.draft_token_ids and req.num_inflight_steps == 0:
+                drafts = req.draft_token_ids[:budget - 1]
+                num_new += len(drafts)
             num_new = min(num_new, budget)
             fits = True
-            while not self.blocks.can_allocate(req.req_id, req.num_computed_tokens + num_new):
+            while not self.blocks.can_allocate(req.req_id, self._kv_target(req, num_new)):
                 victim = self._pick_victim(chosen)
                 if victim is None:
                     fits = False
                     break
                 if victim is req and len(self.running) == 1:
-                    raise self._too_big(req, req.num_computed_tokens + num_new)
+                    raise self._too_big(req, self._kv_target(req, num_new))
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -118,12 +141,16 @@ class Scheduler:
                     break
             if not fits:
                 break  # later requests are younger: they would only preempt older ones
-            new_blocks = self.blocks.allocate(req.req_id, req.num_computed_tokens + num_new)
+            block_start = self.blocks.num_owned(req.req_id)
+            new_blocks = self.blocks.allocate(req.req_id, self._kv_target(req, num_new))
             cached.append(CachedRequestData(
                 req_id=req.req_id, token_start=req.num_tokens_sent,
                 new_token_ids=req.token_ids[req.num_tokens_sent:], new_block_ids=new_blocks,
-                num_computed_tokens=req.num_computed_tokens))
+                num_computed_tokens=req.num_computed_tokens, block_start=block_start,
+                draft_token_ids=drafts))
             req.num_tokens_sent = req.num_tokens
+            req.draft_token_ids = []  # spent: the next proposal comes with this step's result
+            drafts_of[req.req_id] = drafts
             scheduled.append((req, num_new))
             chosen.add(req.req_id)
             budget -= num_new
@@ -132,17 +159,19 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
-            if self.blocks.blocks_needed(req.req_id, req.num_tokens) > self.blocks.num_blocks:
-                raise self._too_big(req, req.num_tokens)
+            req.num_computed_tokens = 0
+            whole = self._kv_target(req, req.num_tokens)
+            if self.blocks.blocks_needed(req.req_id, whole) > self.blocks.num_blocks:
+                raise self._too_big(req, whole)
             num_new = min(req.num_tokens, budget)
-            if not self.blocks.can_allocate(req.req_id, num_new):
+            if not self.blocks.can_allocate(req.req_id, self._kv_target(req, num_new)):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.incarnation += 1
-            req.num_computed_tokens = 0
+            req.draft_token_ids = []
             self.running.append(req)
-            new_blocks = self.blocks.allocate(req.req_id, num_new)
+            new_blocks = self.blocks.allocate(req.req_id, self._kv_target(req, num_new))
             new_reqs.append(NewRequestData(
                 req_id=req.req_id, incarnation=req.incarnation, token_ids=list(req.token_ids),
                 num_prompt_tokens=req.num_prompt_tokens, num_computed_tokens=0,
@@ -155,10 +184,15 @@ class Scheduler:
             return None
         step_id = self._next_step_id
         self._next_step_id += 1
-        record = PlanRecord(plan=None, incarnations={}, sampling=set(), expected={})
+        record = PlanRecord(plan=None, incarnations={}, sampling=set(), expected={},
+                            num_drafts={})
         for req, n in scheduled:
-            record.expected[req.req_id] = Expectation(req.incarnation, req.num_tokens,
-                                                      req.token_hash, req.num_computed_tokens)
+            drafts = drafts_of.get(req.req_id, [])
+            record.num_drafts[req.req_id] = len(drafts)
+            record.expected[req.req_id] = Expectation(
+                req.incarnation, req.num_tokens,
+                extend_hash(req.token_hash, req.num_tokens, drafts) if drafts else req.token_hash,
+                req.num_computed_tokens, len(drafts))
             record.incarnations[req.req_id] = req.incarnation
             if req.num_computed_tokens >= req.num_tokens:
                 self.num_placeholder_tokens += n
@@ -180,6 +214,11 @@ class Scheduler:
             f"request {req.req_id!r} needs more KV blocks than the whole pool for {num_tokens} "
             f"tokens ({self.blocks.num_blocks} blocks of {self.blocks.block_size}); "
             "raise num_kv_blocks")
+
+    def _kv_target(self, req: Request, num_new: int) -> int:
+        """Tokens whose KV slots a step of num_new tokens needs: its own, plus the lookahead
+        that the draft model writes after it (never past max_model_len)."""
+        return min(req.num_computed_tokens + num_new + self.num_lookahead, self.max_model_len)
 
     def _can_placeholder(self, req: Request) -> bool:
         """One step ahead of the sampler, never past what max_tokens or the context allow."""
@@ -210,6 +249,7 @@ class Scheduler:
         req.num_tokens_sent = 0
         req.num_inflight_steps = 0
         req.num_pending_samples = 0
+        req.draft_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._removed_since_last_plan.append(req.req_id)
@@ -243,6 +283,9 @@ class Scheduler:
                     or req.status is not RequestStatus.RUNNING or req_id in discard:
                 self.num_dropped_samples += len(tokens)
                 continue
+            drafted = record.num_drafts.get(req_id, 0) if record.num_drafts else 0
+            if drafted or out.num_draft_tokens is not None:
+                self._settle_drafts(req, drafted, len(tokens) - 1)
             if out.logprob_token_ids is not None and out.logprob_token_ids[i]:
                 req.logprobs.append((dict(zip(out.logprob_token_ids[i], out.logprobs[i])),
                                      out.num_logprob_ranks[i]))
@@ -252,13 +295,33 @@ class Scheduler:
                 if req.is_finished:
                     self._retire(req)
                     break
+            if not req.is_finished and out.draft_token_ids is not None:
+                req.draft_token_ids = list(out.draft_token_ids[i])
+
+    def _settle_drafts(self, req: Request, drafted: int, accepted: int) -> None:
+        """Correct the optimistic plan: take back the rejected drafts' computed count and
+        the KV blocks that only they needed, and count the verdict."""
+        if not 0 <= accepted <= drafted:
+            raise RuntimeError(f"request {req.req_id!r}: the last rank accepted {accepted} of "
+                               f"{drafted} drafts")
+        if drafted:
+            self.spec_num_drafts += 1
+            self.spec_num_draft_tokens += drafted
+            self.spec_num_accepted_tokens += accepted
+            for pos in range(accepted):
+                self.spec_num_accepted_tokens_per_pos[pos] += 1
+        rejected = drafted - accepted
+        if rejected:
+            req.num_computed_tokens -= rejected
+            self.num_rolled_back_blocks += self.blocks.trim(req.req_id, self._kv_target(req, 0))
 
     def check(self) -> None:
         self.blocks.check()
         assert len(self.running) <= self.max_num_seqs
         for req in self.running:
             assert req.status is RequestStatus.RUNNING
-            assert 0 <= req.num_computed_tokens <= req.num_tokens + req.num_pending_samples, req.req_id
+            assert 0 <= req.num_computed_tokens <= \
+                req.num_tokens + req.num_pending_samples * (1 + self.num_lookahead), req.req_id
             assert req.num_tokens_sent <= req.num_tokens
             assert 0 <= req.num_pending_samples <= req.num_inflight_steps
         for req in self.waiting:

@@ -6,11 +6,15 @@ from ray_runtime.sampling_params import SamplingParams
 
 
 def validate_request(index: int, token_ids: list[int], sp: SamplingParams, *, vocab_size: int,
-                     max_model_len: int, num_kv_blocks: int, block_size: int) -> None:
+                     max_model_len: int, num_kv_blocks: int, block_size: int,
+                     num_lookahead: int = 0) -> None:
     where = f"prompt {index}"
     if not isinstance(sp, SamplingParams):
         raise ValueError(f"sampling_params for {where} must be a SamplingParams, got {type(sp).__name__}")
     sp.validate()  # fields may have been changed after construction
+    if num_lookahead and sp.logprobs is not None:
+        raise ValueError(f"{where}: SamplingParams.logprobs is not supported with "
+                         "speculative_config yet; set logprobs=None")
     if len(token_ids) == 0:
         raise ValueError(f"{where}: prompt is empty (prompt_token_ids must hold at least 1 token)")
     bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
@@ -20,8 +24,9 @@ def validate_request(index: int, token_ids: list[int], sp: SamplingParams, *, vo
     if len(token_ids) >= max_model_len:
         raise ValueError(f"{where}: prompt has {len(token_ids)} tokens, which leaves no room to "
                          f"generate within max_model_len={max_model_len}")
-    longest = min(len(token_ids) + sp.max_tokens, max_model_len)
+    # With speculative decoding a step also reserves KV slots for the drafts after it.
+    longest = min(len(token_ids) + sp.max_tokens + num_lookahead, max_model_len)
     if -(-longest // block_size) > num_kv_blocks:
-        raise ValueError(f"{where}: {longest} tokens (prompt + max_tokens) need "
+        raise ValueError(f"{where}: {longest} tokens (prompt + max_tokens + drafts) need "
                          f"{-(-longest // block_size)} KV blocks, more than num_kv_blocks="
                          f"{num_kv_blocks} of {block_size} tokens")

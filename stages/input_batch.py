@@ -2,11 +2,12 @@
 
 Invariants (SEEDS.md 1 and 3), enforced by `check()`:
   - a row holds its complete known prefix token_ids[row, :num_tokens_known]: the prompt plus
-    every committed output token; positions past it hold POISON, never stale tokens;
+    every committed output token; then its num_draft_tokens speculative drafts; positions
+    past those hold POISON, never stale tokens;
   - num_computed_tokens <= num_tokens_known, and num_tokens_known >= num_prompt_tokens;
   - num_tokens_known only grows, from its own value (see `append_tokens`), never from
     num_computed_tokens;
-  - every row move copies the whole known prefix and every per-row field (`_move_row`);
+  - every row move copies the whole known prefix, the drafts and every per-row field;
   - adding a request initializes every per-row field, and bumps the row's generation.
 Requests are addressed by id; row indices never leave this rank.
 """
@@ -26,7 +27,8 @@ POISON = -1  # token id stored past a row's known prefix; embedding it fails lou
 class InputBatch:
     # Per-row numpy fields other than token_ids and block_table; `_move_row` copies them all.
     _ROW_SCALARS = ("num_tokens_known", "num_prompt_tokens", "num_computed_tokens",
-                    "num_blocks", "incarnation", "last_sampled_token", "num_conflicts")
+                    "num_blocks", "incarnation", "last_sampled_token", "num_conflicts",
+                    "num_draft_tokens", "num_unresolved_drafts", "num_draft_computed")
 
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
         self.max_num_seqs = max_num_seqs
@@ -45,6 +47,14 @@ class InputBatch:
         self.last_sampled_token = np.full(max_num_seqs, POISON, np.int64)
         self.num_conflicts = np.zeros(max_num_seqs, np.int64)  # driver tokens that disagreed
         self.generation = np.zeros(max_num_seqs, np.int64)  # the row's tenant count; not moved
+        # Speculative decoding. Drafts sit at token_ids[row, known:known + num_draft_tokens].
+        # num_computed_tokens counts only certain tokens: the drafts a step ran are
+        # "unresolved" until this rank learns how many were accepted (the last rank at once,
+        # the others from the driver's next count). num_draft_computed: the draft model's
+        # valid KV prefix for this row (last rank, draft_model only).
+        self.num_draft_tokens = np.zeros(max_num_seqs, np.int64)
+        self.num_unresolved_drafts = np.zeros(max_num_seqs, np.int64)
+        self.num_draft_computed = np.zeros(max_num_seqs, np.int64)
         self.sampling: list[Optional[SamplingParams]] = [None] * max_num_seqs
 
     # ---- the whole-step entry point ------------------------------------------------------
@@ -84,6 +94,9 @@ class InputBatch:
         # The previous tenant's last token must never feed this one (SEEDS.md 3).
         self.last_sampled_token[row] = new.token_ids[-1] if n else POISON
         self.num_conflicts[row] = 0
+        self.num_draft_tokens[row] = 0  # the previous tenant's drafts are gone (SEEDS.md 3)
+        self.num_unresolved_drafts[row] = 0
+        self.num_draft_computed[row] = 0
         self.sampling[row] = new.sampling
         self.generation[row] += 1
         return row
@@ -93,10 +106,21 @@ class InputBatch:
         if int(self.num_blocks[row]) + len(delta.new_block_ids) > self.block_table.shape[1]:
             raise AssertionError(f"request {delta.req_id!r}: block table overflow")
         self.write_tokens(delta.req_id, delta.token_start, delta.new_token_ids)  # may refuse: first
-        if self.num_computed_tokens[row] != delta.num_computed_tokens:
-            # The driver's count is canonical: take it, and let the digest report the slip.
+        self.set_drafts(delta.req_id, delta.draft_token_ids)
+        own = int(self.num_computed_tokens[row])
+        unresolved = int(self.num_unresolved_drafts[row])
+        # The driver's count is canonical. It may exceed ours by the drafts it has seen
+        # accepted; anything else is a slip: take its count, and let the digest report it.
+        if not own <= delta.num_computed_tokens <= own + unresolved:
             self.num_conflicts[row] += 1
-            self.num_computed_tokens[row] = delta.num_computed_tokens
+        self.num_computed_tokens[row] = delta.num_computed_tokens
+        self.num_unresolved_drafts[row] = 0
+        if delta.block_start is not None:
+            if delta.block_start > int(self.num_blocks[row]):
+                raise AssertionError(f"request {delta.req_id!r}: blocks start at "
+                                     f"{delta.block_start} but the row holds {int(self.num_blocks[row])}")
+            self.block_table[row, delta.block_start:] = 0  # rolled back: rejected drafts' blocks
+            self.num_blocks[row] = delta.block_start
         self._append_blocks(row, delta.new_block_ids)
 
     def write_tokens(self, req_id: str, start: int, tokens: list[int]) -> None:
@@ -117,6 +141,8 @@ class InputBatch:
         if overlap > 0:
             held = self.token_ids[row, start:start + overlap]
             self.num_conflicts[row] += int((held != np.asarray(tokens[:overlap])).sum())
+        if end > known:  # the known prefix grows over where drafts were: they are spent
+            self._clear_drafts(row)
         self.token_ids[row, start:end] = tokens
         # Grows from its own value only: never derived from num_computed_tokens (SEEDS.md 1).
         self.num_tokens_known[row] = max(known, end)
@@ -127,9 +153,40 @@ class InputBatch:
         row = self.req_id_to_row[req_id]
         self.write_tokens(req_id, int(self.num_tokens_known[row]), new_token_ids)
 
-    def mark_computed(self, req_id: str, num_tokens: int) -> None:
+    def set_drafts(self, req_id: str, drafts: list[int]) -> None:
+        """Make `drafts` the row's drafts. Where the row held drafts already (the last rank
+        proposed them), a different value in the overlap counts as a conflict."""
         row = self.req_id_to_row[req_id]
-        self.num_computed_tokens[row] += num_tokens
+        known, held = int(self.num_tokens_known[row]), int(self.num_draft_tokens[row])
+        if known + len(drafts) > self.max_model_len:
+            raise ValueError(f"request {req_id!r}: {known} tokens + {len(drafts)} drafts > "
+                             f"max_model_len {self.max_model_len}")
+        overlap = min(held, len(drafts))
+        if overlap:
+            cur = self.token_ids[row, known:known + overlap]
+            self.num_conflicts[row] += int((cur != np.asarray(drafts[:overlap])).sum())
+        self._clear_drafts(row)
+        self.token_ids[row, known:known + len(drafts)] = drafts
+        self.num_draft_tokens[row] = len(drafts)
+
+    def drafts(self, req_id: str) -> list[int]:
+        row = self.req_id_to_row[req_id]
+        known = int(self.num_tokens_known[row])
+        return self.token_ids[row, known:known + int(self.num_draft_tokens[row])].tolist()
+
+    def mark_computed(self, req_id: str, num_tokens: int) -> None:
+        """A step ran num_tokens of the request: its drafts among them stay unresolved."""
+        row = self.req_id_to_row[req_id]
+        drafts = int(self.num_draft_tokens[row])
+        self.num_computed_tokens[row] += num_tokens - drafts
+        self.num_unresolved_drafts[row] = drafts
+
+    def resolve_drafts(self, req_id: str, num_accepted: int) -> None:
+        """The last rank's verdict: the first num_accepted drafts become computed tokens."""
+        row = self.req_id_to_row[req_id]
+        assert num_accepted <= self.num_unresolved_drafts[row], (req_id, num_accepted)
+        self.num_computed_tokens[row] += num_accepted
+        self.num_unresolved_drafts[row] = 0
 
     def remove(self, req_id: str) -> None:
         """Leave a hole; `apply_plan` condenses right after."""
@@ -160,12 +217,15 @@ class InputBatch:
         req_ids = [r for r in plan.scheduled_req_ids if r in driver_known]
         rows = np.array([self.req_id_to_row[r] for r in req_ids], np.int64)
         lengths = np.array([driver_known[r] for r in req_ids], np.int64)
-        hashes = rows_hash(self.token_ids, rows, lengths)
+        drafts = self.num_draft_tokens[rows] if len(rows) else np.zeros(0, np.int64)
+        # Drafts follow the known prefix, so one hash over both covers them (issue 5).
+        hashes = rows_hash(self.token_ids, rows, lengths + drafts)
         return [RowDigest(req_id=r, incarnation=int(self.incarnation[row]),
                           num_tokens_known=int(self.num_tokens_known[row]), hash_length=int(n),
                           num_computed_tokens=int(self.num_computed_tokens[row]),
-                          token_hash=int(h), num_conflicts=int(self.num_conflicts[row]))
-                for r, row, n, h in zip(req_ids, rows, lengths, hashes)]
+                          token_hash=int(h), num_conflicts=int(self.num_conflicts[row]),
+                          num_draft_tokens=int(nd))
+                for r, row, n, h, nd in zip(req_ids, rows, lengths, hashes, drafts)]
 
     # ---- internals -----------------------------------------------------------------------
     def _first_free_row(self) -> int:
@@ -179,15 +239,20 @@ class InputBatch:
         self.block_table[row, start:start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 
+    def _clear_drafts(self, row: int) -> None:
+        known = int(self.num_tokens_known[row])
+        self.token_ids[row, known:known + int(self.num_draft_tokens[row])] = POISON
+        self.num_draft_tokens[row] = 0
+
     def _move_row(self, src: int, dst: int) -> None:
         assert self.req_ids[dst] is None and self.req_ids[src] is not None
         self._restore(dst, self._snapshot(src))
         self._clear_row(src)
 
     def _snapshot(self, row: int) -> dict:
-        known = int(self.num_tokens_known[row])
+        held = int(self.num_tokens_known[row] + self.num_draft_tokens[row])
         snap = {name: getattr(self, name)[row].copy() for name in self._ROW_SCALARS}
-        snap["token_prefix"] = self.token_ids[row, :known].copy()  # the whole known prefix
+        snap["token_prefix"] = self.token_ids[row, :held].copy()  # known prefix and drafts
         snap["block_table"] = self.block_table[row].copy()
         snap["req_id"] = self.req_ids[row]
         snap["sampling"] = self.sampling[row]
@@ -232,8 +297,11 @@ class InputBatch:
             assert prompt <= known <= self.max_model_len, \
                 f"{where}: known prefix {known} shorter than its prompt {prompt}"
             assert 0 <= computed <= known, f"{where}: computed {computed} > known {known}"
-            assert (self.token_ids[row, :known] >= 0).all(), f"{where}: poison inside known prefix"
-            assert (self.token_ids[row, known:] == POISON).all(), f"{where}: stale tokens past prefix"
+            held = known + int(self.num_draft_tokens[row])
+            assert held <= self.max_model_len, f"{where}: drafts past max_model_len"
+            assert (self.token_ids[row, :held] >= 0).all(), f"{where}: poison inside known prefix or drafts"
+            assert (self.token_ids[row, held:] == POISON).all(), f"{where}: stale tokens past prefix"
+            assert self.num_draft_computed[row] <= known, f"{where}: draft KV past the known prefix"
             assert self.last_sampled_token[row] == self.token_ids[row, known - 1], \
                 f"{where}: last_sampled_token is not the last known token"
             assert int(self.num_blocks[row]) * self.block_size >= computed, \

@@ -19,7 +19,9 @@ from stages.input_batch import InputBatch
 from stages.kv_cache import allocate_kv_cache, available_kv_bytes, bytes_per_block
 from stages.model import AttentionMetadata, build_stage
 from stages.model_spec import ModelSpec
+from stages.ngram_proposer import ngram_propose
 from stages.sampler import Sampler, optional
+from stages.spec_sampler import SpecVerifier
 from stages.transport import StageTransport
 
 
@@ -30,6 +32,7 @@ class StepInputs:
     sample_req_ids: list[str]  # requests whose known prefix this step completes
     sample_token_index: list[int]  # their last token's index in the step's layout
     sample_output_index: list[int]  # index of the output token each will sample (0 = first)
+    sample_num_drafts: list[int]  # drafts each verifies: its last 1 + m tokens get logits
 
 
 class StageRunner:
@@ -48,6 +51,9 @@ class StageRunner:
         self.num_layers = layer_range[1] - layer_range[0]
         self.batch = InputBatch(config.max_num_seqs, max_model_len, config.block_size)
         self.sampler = Sampler(torch.device(self.device)) if self.is_last else None
+        self.spec_config = config.speculative_config
+        self.verifier = SpecVerifier(torch.device(self.device), self.sampler._unseeded) \
+            if self.is_last and self.spec_config else None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.transport: Optional[StageTransport] = None
         self.fault_hook = None  # tests only: called with the batch after each plan is applied
@@ -94,6 +100,9 @@ class StageRunner:
             # compute on them before the driver has seen them (async placeholders).
             for req_id, toks in zip(sampler_output.req_ids, sampler_output.sampled_token_ids):
                 self.batch.append_tokens(req_id, toks)
+                self.batch.resolve_drafts(req_id, len(toks) - 1)
+            if self.spec_config is not None:
+                sampler_output.draft_token_ids = self._propose(sampler_output.req_ids)
         compute_done = time.time()
         if not self.is_last:
             self.transport.send_to_next(hidden)
@@ -108,16 +117,17 @@ class StageRunner:
         """Positions come from the plan (the driver's counts are canonical); the rank's own
         counters are audited through the digests, never trusted to place tokens."""
         b = self.batch
-        view = {n.req_id: (n.num_computed_tokens, len(n.token_ids)) for n in plan.new_reqs}
-        view.update({d.req_id: (d.num_computed_tokens, d.token_start + len(d.new_token_ids))
-                     for d in plan.cached_reqs})
+        view = {n.req_id: (n.num_computed_tokens, len(n.token_ids), 0) for n in plan.new_reqs}
+        view.update({d.req_id: (d.num_computed_tokens, d.token_start + len(d.new_token_ids),
+                                len(d.draft_token_ids)) for d in plan.cached_reqs})
         rows = np.array([b.req_id_to_row[r] for r in plan.scheduled_req_ids], np.int64)
         num_new = np.array(plan.num_scheduled_tokens, np.int64)
         starts = np.array([view[r][0] for r in plan.scheduled_req_ids], np.int64)
         driver_known = np.array([view[r][1] for r in plan.scheduled_req_ids], np.int64)
+        drafts = np.array([view[r][2] for r in plan.scheduled_req_ids], np.int64)
         ends = starts + num_new
         known = b.num_tokens_known[rows]  # may exceed driver_known by the last rank's samples
-        over = np.nonzero(ends > np.maximum(known, driver_known))[0]
+        over = np.nonzero(ends > np.maximum(known, driver_known) + drafts)[0]
         if len(over):
             i = int(over[0])
             raise AssertionError(
@@ -131,6 +141,7 @@ class StageRunner:
         slot_mapping = b.block_table[token_row, positions // bs].astype(np.int64) * bs + positions % bs
         max_blocks = int(-(-ends.max() // bs))
         sample = np.nonzero(ends >= driver_known)[0]
+        num_verified = ends - driver_known  # drafts among a sampling request's tokens
         dev = self.device
         meta = AttentionMetadata(
             positions=torch.from_numpy(positions).to(dev),
@@ -148,25 +159,65 @@ class StageRunner:
         return StepInputs(token_ids=token_ids, meta=meta,
                           sample_req_ids=[plan.scheduled_req_ids[i] for i in sample],
                           sample_token_index=[int(query_start_loc[i + 1]) - 1 for i in sample],
-                          sample_output_index=[int(ends[i] - b.num_prompt_tokens[rows[i]])
-                                               for i in sample])
+                          sample_output_index=[int(driver_known[i] - b.num_prompt_tokens[rows[i]])
+                                               for i in sample],
+                          sample_num_drafts=[int(num_verified[i]) for i in sample])
 
     def _sample(self, step_id: int, hidden: torch.Tensor, inputs: StepInputs) -> SamplerOutput:
         b = self.batch
         rows = [b.req_id_to_row[r] for r in inputs.sample_req_ids]
         if not rows:
             return SamplerOutput(step_id=step_id, req_ids=[], incarnations=[], sampled_token_ids=[])
-        index = torch.tensor(inputs.sample_token_index, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))
+        # Each request's last 1 + m positions: its last known token and its m drafts.
+        counts = [m + 1 for m in inputs.sample_num_drafts]
+        index = torch.tensor([i for last, n in zip(inputs.sample_token_index, counts)
+                              for i in range(last - n + 1, last + 1)], device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index)).split(counts)
         params = [b.sampling[r] for r in rows]
-        res = self.sampler(logits, params, inputs.sample_output_index)
+        plain = [i for i, m in enumerate(inputs.sample_num_drafts) if m == 0]
+        spec = [i for i, m in enumerate(inputs.sample_num_drafts) if m > 0]
+        tokens: list[list[int]] = [[] for _ in rows]
+        res = None
+        if plain:
+            res = self.sampler(torch.cat([logits[i] for i in plain]), [params[i] for i in plain],
+                               [inputs.sample_output_index[i] for i in plain])
+            for i, t in zip(plain, res.token_ids):
+                tokens[i] = [t]
+        if spec:
+            emitted = self.verifier([logits[i] for i in spec],
+                                    [b.drafts(inputs.sample_req_ids[i]) for i in spec],
+                                    [params[i] for i in spec],
+                                    [inputs.sample_output_index[i] for i in spec])
+            for i, t in zip(spec, emitted):
+                tokens[i] = t
+        any_lp = res is not None and res.any_logprobs
+        if any_lp and spec:
+            raise NotImplementedError("logprobs with speculative decoding are not supported yet")
         return SamplerOutput(
             step_id=step_id, req_ids=inputs.sample_req_ids,
             incarnations=[int(b.incarnation[r]) for r in rows],
-            sampled_token_ids=[[t] for t in res.token_ids],
-            logprob_token_ids=optional(res.logprob_token_ids, res.any_logprobs),
-            logprobs=optional(res.logprobs, res.any_logprobs),
-            num_logprob_ranks=optional(res.ranks, res.any_logprobs))
+            sampled_token_ids=tokens,
+            logprob_token_ids=optional(res.logprob_token_ids, any_lp) if res else None,
+            logprobs=optional(res.logprobs, any_lp) if res else None,
+            num_logprob_ranks=optional(res.ranks, any_lp) if res else None,
+            num_draft_tokens=list(inputs.sample_num_drafts) if self.spec_config else None)
+
+    def _propose(self, req_ids: list[str]) -> list[list[int]]:
+        """Drafts for each request's next step, placed in its row (the first stage reads
+        them there at PP=1; the driver forwards them at PP>1)."""
+        b, spec = self.batch, self.spec_config
+        out = []
+        for req_id in req_ids:
+            row = b.req_id_to_row[req_id]
+            known = int(b.num_tokens_known[row])
+            # Never draft past max_tokens (the step emits at most m + 1) or the context.
+            left = b.sampling[row].max_tokens - (known - int(b.num_prompt_tokens[row]))
+            k = min(spec.num_speculative_tokens, left - 1, b.max_model_len - 1 - known)
+            drafts = ngram_propose(b.token_ids[row, :known], k, spec.prompt_lookup_min,
+                                   spec.prompt_lookup_max) if k > 0 else []
+            b.set_drafts(req_id, drafts)
+            out.append(drafts)
+        return out
 
     def check(self) -> None:
         self.batch.check()
