@@ -61,6 +61,12 @@ class LLM:
         spec = ModelSpec.from_dir(model)
         stage_layer_ranges(spec.num_layers, pipeline_parallel_size, self.config.pp_layer_partition)
         resolve_max_model_len(self.config, spec)
+        sc = self.config.speculative_config
+        if sc is not None and sc.method == "draft_model":
+            draft_vocab = ModelSpec.from_dir(sc.model).vocab_size
+            if draft_vocab != spec.vocab_size:
+                raise ValueError(f"speculative_config.model: the draft's vocab_size {draft_vocab} "
+                                 f"differs from the target's {spec.vocab_size}")
         self.tokenizer = load_tokenizer(tokenizer or model)
         connect_ray(self.config)
         self._driver = ray.remote(num_cpus=0)(Driver).remote(self.config)

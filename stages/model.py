@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
@@ -28,6 +29,27 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_reqs, max_blocks]
     seq_lens: list[int]  # [num_reqs] context length after this step
     query_start_loc: list[int]  # [num_reqs + 1]
+
+
+def attention_metadata(block_table: np.ndarray, rows: np.ndarray, starts: np.ndarray,
+                       num_new: np.ndarray, block_size: int, device: str
+                       ) -> tuple[AttentionMetadata, np.ndarray, np.ndarray]:
+    """Row r runs num_new[r] tokens from position starts[r]: their attention metadata, and
+    per token its row and position."""
+    query_start_loc = np.concatenate([[0], np.cumsum(num_new)])
+    total = int(query_start_loc[-1])
+    token_row = np.repeat(rows, num_new)
+    positions = np.arange(total) - np.repeat(query_start_loc[:-1], num_new) + np.repeat(starts, num_new)
+    slot_mapping = block_table[token_row, positions // block_size].astype(np.int64) * block_size \
+        + positions % block_size
+    ends = starts + num_new
+    max_blocks = int(-(-ends.max() // block_size))
+    meta = AttentionMetadata(
+        positions=torch.from_numpy(positions).to(device),
+        slot_mapping=torch.from_numpy(slot_mapping).to(device),
+        block_tables=torch.from_numpy(block_table[rows, :max_blocks].astype(np.int64)).to(device),
+        seq_lens=ends.tolist(), query_start_loc=query_start_loc.tolist())
+    return meta, token_row, positions
 
 
 class RMSNorm(nn.Module):

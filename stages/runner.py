@@ -17,8 +17,9 @@ from ray_runtime.config import EngineConfig
 from ray_runtime.messages import SamplerOutput, StageStepResult, StageTiming, StepPlan
 from stages.input_batch import InputBatch
 from stages.kv_cache import allocate_kv_cache, available_kv_bytes, bytes_per_block
-from stages.model import AttentionMetadata, build_stage
+from stages.model import attention_metadata, build_stage
 from stages.model_spec import ModelSpec
+from stages.draft_model import DraftModelProposer
 from stages.ngram_proposer import ngram_propose
 from stages.sampler import Sampler, optional
 from stages.spec_sampler import SpecVerifier
@@ -54,6 +55,8 @@ class StageRunner:
         self.spec_config = config.speculative_config
         self.verifier = SpecVerifier(torch.device(self.device), self.sampler._unseeded) \
             if self.is_last and self.spec_config else None
+        self.drafter = DraftModelProposer(config, self.spec, self.sampler._unseeded) \
+            if self.verifier and self.spec_config.method == "draft_model" else None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.transport: Optional[StageTransport] = None
         self.fault_hook = None  # tests only: called with the batch after each plan is applied
@@ -61,11 +64,15 @@ class StageRunner:
     # ---- set-up --------------------------------------------------------------------------
     def kv_block_capacity(self) -> int:
         per_block = bytes_per_block(self.spec, self.num_layers, self.config.block_size, self.dtype)
+        if self.drafter is not None:
+            per_block += self.drafter.bytes_per_block()
         return max(1, available_kv_bytes(self.device, self.config.kv_cache_memory_fraction) // per_block)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_cache(self.spec, self.num_layers, num_blocks,
                                            self.config.block_size, self.dtype, self.device)
+        if self.drafter is not None:
+            self.drafter.init_kv_cache(num_blocks)
 
     def init_transport(self, host: str, port: int) -> None:
         if self.config.pipeline_parallel_size > 1:
@@ -76,6 +83,9 @@ class StageRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StageStepResult:
         start = time.time()
+        if self.drafter is not None:
+            for req_id in plan.removed_req_ids:
+                self.drafter.forget(req_id)
         self.batch.apply_plan(plan)
         if self.fault_hook is not None:
             self.fault_hook(self.batch, plan)
@@ -133,21 +143,12 @@ class StageRunner:
             raise AssertionError(
                 f"rank {self.rank}: request {plan.scheduled_req_ids[i]!r} scheduled up to token "
                 f"{int(ends[i])} but its row knows only {int(known[i])}")
-        query_start_loc = np.concatenate([[0], np.cumsum(num_new)])
-        total = int(query_start_loc[-1])
-        token_row = np.repeat(rows, num_new)
-        positions = np.arange(total) - np.repeat(query_start_loc[:-1], num_new) + np.repeat(starts, num_new)
-        bs = self.config.block_size
-        slot_mapping = b.block_table[token_row, positions // bs].astype(np.int64) * bs + positions % bs
-        max_blocks = int(-(-ends.max() // bs))
+        meta, token_row, positions = attention_metadata(b.block_table, rows, starts, num_new,
+                                                        self.config.block_size, self.device)
+        query_start_loc = meta.query_start_loc
+        total = len(positions)
         sample = np.nonzero(ends >= driver_known)[0]
         num_verified = ends - driver_known  # drafts among a sampling request's tokens
-        dev = self.device
-        meta = AttentionMetadata(
-            positions=torch.from_numpy(positions).to(dev),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            block_tables=torch.from_numpy(b.block_table[rows, :max_blocks].astype(np.int64)).to(dev),
-            seq_lens=ends.tolist(), query_start_loc=query_start_loc.tolist())
         if self.is_first:
             token_ids = b.token_ids[token_row, positions]
             poisoned = token_ids < 0
@@ -184,10 +185,12 @@ class StageRunner:
             for i, t in zip(plain, res.token_ids):
                 tokens[i] = [t]
         if spec:
-            emitted = self.verifier([logits[i] for i in spec],
-                                    [b.drafts(inputs.sample_req_ids[i]) for i in spec],
-                                    [params[i] for i in spec],
-                                    [inputs.sample_output_index[i] for i in spec])
+            drafts = [b.drafts(inputs.sample_req_ids[i]) for i in spec]
+            q = None if self.drafter is None else [
+                self.drafter.draft_probs(inputs.sample_req_ids[i], int(b.incarnation[rows[i]]), d)
+                for i, d in zip(spec, drafts)]
+            emitted = self.verifier([logits[i] for i in spec], drafts, [params[i] for i in spec],
+                                    [inputs.sample_output_index[i] for i in spec], q)
             for i, t in zip(spec, emitted):
                 tokens[i] = t
         any_lp = res is not None and res.any_logprobs
@@ -206,18 +209,22 @@ class StageRunner:
         """Drafts for each request's next step, placed in its row (the first stage reads
         them there at PP=1; the driver forwards them at PP>1)."""
         b, spec = self.batch, self.spec_config
-        out = []
-        for req_id in req_ids:
-            row = b.req_id_to_row[req_id]
-            known = int(b.num_tokens_known[row])
-            # Never draft past max_tokens (the step emits at most m + 1) or the context.
-            left = b.sampling[row].max_tokens - (known - int(b.num_prompt_tokens[row]))
-            k = min(spec.num_speculative_tokens, left - 1, b.max_model_len - 1 - known)
-            drafts = ngram_propose(b.token_ids[row, :known], k, spec.prompt_lookup_min,
-                                   spec.prompt_lookup_max) if k > 0 else []
-            b.set_drafts(req_id, drafts)
-            out.append(drafts)
-        return out
+        rows = [b.req_id_to_row[r] for r in req_ids]
+        known = [int(b.num_tokens_known[row]) for row in rows]
+        first_output = [n - int(b.num_prompt_tokens[row]) for n, row in zip(known, rows)]
+        # Never draft past max_tokens (the step emits at most m + 1) or the context.
+        caps = [max(0, min(spec.num_speculative_tokens, b.sampling[row].max_tokens - out - 1,
+                           b.max_model_len - 1 - n))
+                for row, n, out in zip(rows, known, first_output)]
+        if self.drafter is not None:
+            drafts = self.drafter.propose(b, req_ids, caps, first_output)
+        else:
+            drafts = [ngram_propose(b.token_ids[row, :n], k, spec.prompt_lookup_min,
+                                    spec.prompt_lookup_max) if k > 0 else []
+                      for row, n, k in zip(rows, known, caps)]
+        for req_id, d in zip(req_ids, drafts):
+            b.set_drafts(req_id, d)
+        return drafts
 
     def check(self) -> None:
         self.batch.check()

@@ -53,3 +53,20 @@ def make_tiny_model(arch: str, root: str, seed: int = 0) -> str:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path)
     return path
+
+
+def make_draft_model(arch: str, root: str, noise: float = 0.01, seed: int = 1) -> str:
+    """A draft for speculative decoding: the target's checkpoint with every weight nudged by
+    relative noise, so that it agrees with the target often but not always (same vocabulary)."""
+    from transformers import AutoModelForCausalLM
+
+    path = os.path.join(root, f"{arch}-draft-{noise}")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(arch, root), dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * noise * p.abs().mean())
+    model.save_pretrained(path)
+    return path
