@@ -13,6 +13,9 @@ CPU) and the prefill chunks one request at a time.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
 
@@ -90,28 +93,58 @@ def write_kv(key_cache, value_cache, key, value, slot_mapping) -> None:
     write_kv_ref(key_cache, value_cache, key, value, slot_mapping)
 
 
+# A chunk this short runs as decode rows, one per query token, each attending to its own
+# causal prefix: verification steps of speculative decoding (1 + k tokens) batch with decodes.
+SHORT_CHUNK = 16
+
+
+@dataclass
+class DecodeLayout:
+    """Which query rows of a step run as decode rows: the token rows, the request (block
+    table row) of each, and each one's causal context length; the rest are long chunks."""
+
+    token_rows: torch.Tensor
+    table_rows: torch.Tensor
+    ctx_lens: torch.Tensor
+    long_chunks: list[int]
+    all_decode: bool  # every request is a single decode token, in order
+
+
+def decode_layout(seq_lens: list[int], query_start_loc: list[int], device) -> DecodeLayout:
+    token_rows, table_rows, ctx_lens, long_chunks = [], [], [], []
+    for i, ctx in enumerate(seq_lens):
+        a, b = query_start_loc[i], query_start_loc[i + 1]
+        n = b - a
+        if n > SHORT_CHUNK:
+            long_chunks.append(i)
+            continue
+        token_rows.extend(range(a, b))
+        table_rows.extend([i] * n)
+        ctx_lens.extend(range(ctx - n + 1, ctx + 1))
+    all_decode = len(token_rows) == len(seq_lens) and not long_chunks
+    return DecodeLayout(torch.tensor(token_rows, device=device, dtype=torch.int64),
+                        torch.tensor(table_rows, device=device, dtype=torch.int64),
+                        torch.tensor(ctx_lens, device=device, dtype=torch.int64),
+                        long_chunks, all_decode)
+
+
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                    scale) -> torch.Tensor:
-    """Decode rows in one batched gather; prefill chunks one request at a time."""
-    q_lens = [b - a for a, b in zip(query_start_loc[:-1], query_start_loc[1:])]
-    decode = [i for i, n in enumerate(q_lens) if n == 1]
-    if len(decode) < 2:
+                    scale, layout: Optional[DecodeLayout] = None) -> torch.Tensor:
+    """Short chunks and decode rows in one batched decode pass; long prefill chunks one
+    request at a time. `layout`: decode_layout() of this step, computed once for all layers."""
+    if layout is None:
+        layout = decode_layout(seq_lens, query_start_loc, query.device)
+    if len(layout.token_rows) < 2:
         return paged_attention_ref(query, key_cache, value_cache, block_tables, seq_lens,
                                    query_start_loc, scale)
-    device = query.device
-    if len(decode) == len(q_lens):
-        return _decode_rows(query, key_cache, value_cache, block_tables,
-                            torch.tensor(seq_lens, device=device), scale)
+    if layout.all_decode:
+        return _decode_rows(query, key_cache, value_cache, block_tables, layout.ctx_lens, scale)
     out = torch.empty_like(query)
-    rows = torch.tensor([query_start_loc[i] for i in decode], device=device)
-    out[rows] = _decode_rows(
-        query.index_select(0, rows), key_cache, value_cache,
-        block_tables.index_select(0, torch.tensor(decode, device=device)),
-        torch.tensor([seq_lens[i] for i in decode], device=device), scale)
-    for i, n in enumerate(q_lens):
-        if n == 1:
-            continue
+    out[layout.token_rows] = _decode_rows(
+        query.index_select(0, layout.token_rows), key_cache, value_cache,
+        block_tables.index_select(0, layout.table_rows), layout.ctx_lens, scale)
+    for i in layout.long_chunks:
         a, b = query_start_loc[i], query_start_loc[i + 1]
         out[a:b] = paged_attention_ref(query[a:b], key_cache, value_cache, block_tables[i:i + 1],
-                                       [seq_lens[i]], [0, n], scale)
+                                       [seq_lens[i]], [0, b - a], scale)
     return out

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from kernels.paged_attention import paged_attention, write_kv
+from kernels.paged_attention import DecodeLayout, decode_layout, paged_attention, write_kv
 from stages.model_spec import ModelSpec
 
 
@@ -29,6 +29,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_reqs, max_blocks]
     seq_lens: list[int]  # [num_reqs] context length after this step
     query_start_loc: list[int]  # [num_reqs + 1]
+    layout: Optional[DecodeLayout] = None  # which rows run as decode rows, once per step
 
 
 def attention_metadata(block_table: np.ndarray, rows: np.ndarray, starts: np.ndarray,
@@ -49,6 +50,7 @@ def attention_metadata(block_table: np.ndarray, rows: np.ndarray, starts: np.nda
         slot_mapping=torch.from_numpy(slot_mapping).to(device),
         block_tables=torch.from_numpy(block_table[rows, :max_blocks].astype(np.int64)).to(device),
         seq_lens=ends.tolist(), query_start_loc=query_start_loc.tolist())
+    meta.layout = decode_layout(meta.seq_lens, meta.query_start_loc, device)
     return meta, token_row, positions
 
 
@@ -132,7 +134,7 @@ class Attention(nn.Module):
         key_cache, value_cache = kv
         write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                              meta.query_start_loc, self.scale)
+                              meta.query_start_loc, self.scale, meta.layout)
         return self.o_proj(out.reshape(n, -1))
 
 

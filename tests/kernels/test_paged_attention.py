@@ -163,6 +163,9 @@ EDGE_CASES = {
     # A context of exactly one block: as a whole prompt, as a decode, as a chunk.
     "context_one_block_prompt": lambda bs: [(bs, bs)],
     "context_one_block_decode": lambda bs: [(bs, 1), (bs, bs)],
+    # Speculative verification: 1 + k tokens per request as decode rows (each its own causal
+    # context), beside a decode and a chunk just past SHORT_CHUNK that runs on its own.
+    "verification_rows": lambda bs: [(30, 5), (12, 4), (7, 1), (45, 17), (16, 16)],
     # No decode rows at all: only prefill chunks and whole prompts.
     "no_decode_rows": lambda bs: [(17, 17), (30, 6), (2 * bs, bs), (5, 5)],
 }
