@@ -51,7 +51,7 @@ class Driver:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             num_kv_blocks=self.num_kv_blocks, block_size=config.block_size,
             max_model_len=self.max_model_len,
-            allow_placeholders=config.async_scheduling and pp == 1 and config.speculative_config is None,
+            allow_placeholders=config.async_scheduling and pp == 1,
             num_speculative_tokens=config.num_speculative_tokens)
         # pp plans keep every stage busy; one more waits at stage 0 so that it starts the
         # next step while the driver is still reconciling the last rank's result.
@@ -160,7 +160,8 @@ class Driver:
         for res in results:
             self.trace.stage_step(res.rank, res.step_id, res.timing)
             self._digest_s[res.rank] += res.timing.digest_s
-            for m in audit(record.expected, res.digests, res.rank, res.rank == last):
+            digests = [d for d in res.digests if d.req_id not in record.self_drafted]
+            for m in audit(record.expected, digests, res.rank, res.rank == last):
                 self._num_mismatches += 1
                 logger.warning("%s (step %d)", m, record.plan.step_id)
                 if self.config.on_mismatch == "raise":

@@ -38,6 +38,9 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     # Speculative decoding: the drafts this step verifies, placed right after the known
     # prefix. Every plan naming a request states its drafts (none: an empty list).
     draft_token_ids: list[int] = []
+    # PP=1 async: the rank runs its own latest tokens and drafts (1 + its drafts, at most
+    # num_scheduled_tokens) from its own computed count; the driver corrects its view later.
+    self_drafted: bool = False
 
 
 class StepPlan(msgspec.Struct, array_like=True):

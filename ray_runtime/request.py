@@ -36,6 +36,9 @@ class Request:
         # The last rank's latest proposal of drafts (speculative decoding), for the next
         # step of this incarnation only: cleared when planned, preempted or re-admitted.
         self.draft_token_ids: list[int] = []
+        # The in-flight plan (PlanRecord) in which the rank runs this request's own drafts
+        # (PP=1 async), corrected when the step before it returns; None if there is none.
+        self.self_drafted_record = None
         self.status = RequestStatus.WAITING
         self.finish_reason: Optional[str] = None
         self.stop_reason: Optional[int] = None

@@ -15,6 +15,11 @@ Speculative decoding: the last rank returns a proposal of drafts with each sampl
 step of that request then runs 1 + m tokens (its last token and the m drafts); the driver
 counts them all as computed when it plans (optimistic: every draft accepted) and, when the
 result arrives, takes back the rejected ones and the KV blocks they no longer need.
+With placeholders (PP=1 async) a request's next step is planned before its drafts are
+known: it is "self-drafted", planned for 1 + k tokens, and the rank runs its own
+accepted tokens and its own new drafts (1 + m' <= 1 + k tokens). When the previous step's
+result arrives, the driver learns m' and corrects that in-flight record (its count, its
+audit expectation) before that step's own result is read.
 """
 from __future__ import annotations
 
@@ -46,6 +51,9 @@ class PlanRecord:
     sampling: set[str]  # requests this step will sample a token for
     expected: dict[str, Expectation]
     num_drafts: dict[str, int] = None  # drafts verified per request (speculative decoding)
+    # Self-drafted requests whose expectation is not corrected yet (their previous step has
+    # not returned, or its result was dropped: then so is this one's, unaudited).
+    self_drafted: set[str] = None
 
 
 class Scheduler:
@@ -109,6 +117,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached: list[CachedRequestData] = []
         drafts_of: dict[str, list[int]] = {}
+        self_drafted_reqs: list[Request] = []
         preempted = False
 
         for req in list(self.running):
@@ -118,10 +127,15 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             num_new = req.num_tokens - req.num_computed_tokens
             drafts: list[int] = []
+            self_drafted = False
             if num_new <= 0:
                 if not self._can_placeholder(req):
                     continue
                 num_new = 1
+                if self.num_lookahead:
+                    if budget < 1 + self.num_lookahead:
+                        continue
+                    num_new, self_drafted = 1 + self.num_lookahead, True
             elif num_new == 1 and req.draft_token_ids and req.num_inflight_steps == 0:
                 drafts = req.draft_token_ids[:budget - 1]
                 num_new += len(drafts)
@@ -147,10 +161,12 @@ class Scheduler:
                 req_id=req.req_id, token_start=req.num_tokens_sent,
                 new_token_ids=req.token_ids[req.num_tokens_sent:], new_block_ids=new_blocks,
                 num_computed_tokens=req.num_computed_tokens, block_start=block_start,
-                draft_token_ids=drafts))
+                draft_token_ids=drafts, self_drafted=self_drafted))
             req.num_tokens_sent = req.num_tokens
             req.draft_token_ids = []  # spent: the next proposal comes with this step's result
             drafts_of[req.req_id] = drafts
+            if self_drafted:
+                self_drafted_reqs.append(req)
             scheduled.append((req, num_new))
             chosen.add(req.req_id)
             budget -= num_new
@@ -185,7 +201,9 @@ class Scheduler:
         step_id = self._next_step_id
         self._next_step_id += 1
         record = PlanRecord(plan=None, incarnations={}, sampling=set(), expected={},
-                            num_drafts={})
+                            num_drafts={}, self_drafted={r.req_id for r in self_drafted_reqs})
+        for req in self_drafted_reqs:
+            req.self_drafted_record = record
         for req, n in scheduled:
             drafts = drafts_of.get(req.req_id, [])
             record.num_drafts[req.req_id] = len(drafts)
@@ -222,10 +240,12 @@ class Scheduler:
 
     def _can_placeholder(self, req: Request) -> bool:
         """One step ahead of the sampler, never past what max_tokens or the context allow."""
+        k = self.num_lookahead
         return (self.allow_placeholders and req.num_pending_samples == 1
-                and req.num_computed_tokens == req.num_tokens
+                and req.num_inflight_steps == 1
+                and req.num_computed_tokens >= req.num_tokens
                 and req.num_output_tokens + req.num_pending_samples < req.sampling.max_tokens
-                and req.num_computed_tokens + 1 < self.max_model_len)
+                and req.num_computed_tokens + 1 + 2 * k < self.max_model_len)
 
     def _pick_victim(self, chosen: set[str]) -> Optional[Request]:
         # The most recently admitted request with no step in flight and none in this plan.
@@ -250,6 +270,7 @@ class Scheduler:
         req.num_inflight_steps = 0
         req.num_pending_samples = 0
         req.draft_token_ids = []
+        req.self_drafted_record = None
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._removed_since_last_plan.append(req.req_id)
@@ -284,8 +305,11 @@ class Scheduler:
                 self.num_dropped_samples += len(tokens)
                 continue
             drafted = record.num_drafts.get(req_id, 0) if record.num_drafts else 0
-            if drafted or out.num_draft_tokens is not None:
-                self._settle_drafts(req, drafted, len(tokens) - 1)
+            verified = drafted if out.num_draft_tokens is None else out.num_draft_tokens[i]
+            if verified != drafted:
+                raise RuntimeError(f"request {req_id!r}: the last rank verified {verified} drafts "
+                                   f"but the plan had {drafted}")
+            self._settle_drafts(req, drafted, len(tokens) - 1)
             if out.logprob_token_ids is not None and out.logprob_token_ids[i]:
                 req.logprobs.append((dict(zip(out.logprob_token_ids[i], out.logprobs[i])),
                                      out.num_logprob_ranks[i]))
@@ -295,8 +319,26 @@ class Scheduler:
                 if req.is_finished:
                     self._retire(req)
                     break
+            if req.self_drafted_record is record:
+                req.self_drafted_record = None
             if not req.is_finished and out.draft_token_ids is not None:
-                req.draft_token_ids = list(out.draft_token_ids[i])
+                nxt = req.self_drafted_record
+                if nxt is not None:  # the rank already runs these drafts in that step
+                    self._correct_self_drafted(req, nxt, list(out.draft_token_ids[i]))
+                else:
+                    req.draft_token_ids = list(out.draft_token_ids[i])
+
+    def _correct_self_drafted(self, req: Request, record: PlanRecord, drafts: list[int]) -> None:
+        """The in-flight self-drafted step of req runs 1 + len(drafts) tokens from the count
+        just corrected: fix the driver's count, that record's expectation, and the blocks."""
+        unused = self.num_lookahead - len(drafts)
+        req.num_computed_tokens -= unused
+        record.num_drafts[req.req_id] = len(drafts)
+        record.self_drafted.discard(req.req_id)
+        record.expected[req.req_id] = Expectation(
+            req.incarnation, req.num_tokens,
+            extend_hash(req.token_hash, req.num_tokens, drafts), req.num_tokens - 1, len(drafts))
+        self.num_rolled_back_blocks += self.blocks.trim(req.req_id, self._kv_target(req, 0))
 
     def _settle_drafts(self, req: Request, drafted: int, accepted: int) -> None:
         """Correct the optimistic plan: take back the rejected drafts' computed count and

@@ -103,9 +103,19 @@ class InputBatch:
 
     def update(self, delta: CachedRequestData) -> None:
         row = self.req_id_to_row[delta.req_id]
-        if int(self.num_blocks[row]) + len(delta.new_block_ids) > self.block_table.shape[1]:
+        have = int(self.num_blocks[row])
+        start = have if delta.block_start is None else delta.block_start
+        if start > have:  # refused before anything changes
+            raise AssertionError(f"request {delta.req_id!r}: blocks start at {start} but the "
+                                 f"row holds {have}")
+        if start + len(delta.new_block_ids) > self.block_table.shape[1]:
             raise AssertionError(f"request {delta.req_id!r}: block table overflow")
         self.write_tokens(delta.req_id, delta.token_start, delta.new_token_ids)  # may refuse: first
+        if delta.self_drafted:
+            # The rank is ahead of the plan: its own tokens, drafts and count stand (the
+            # driver corrects its optimistic view, and the audit checks the result).
+            self._append_blocks_from(row, delta)
+            return
         self.set_drafts(delta.req_id, delta.draft_token_ids)
         own = int(self.num_computed_tokens[row])
         unresolved = int(self.num_unresolved_drafts[row])
@@ -115,10 +125,10 @@ class InputBatch:
             self.num_conflicts[row] += 1
         self.num_computed_tokens[row] = delta.num_computed_tokens
         self.num_unresolved_drafts[row] = 0
-        if delta.block_start is not None:
-            if delta.block_start > int(self.num_blocks[row]):
-                raise AssertionError(f"request {delta.req_id!r}: blocks start at "
-                                     f"{delta.block_start} but the row holds {int(self.num_blocks[row])}")
+        self._append_blocks_from(row, delta)
+
+    def _append_blocks_from(self, row: int, delta: CachedRequestData) -> None:
+        if delta.block_start is not None:  # checked in update()
             self.block_table[row, delta.block_start:] = 0  # rolled back: rejected drafts' blocks
             self.num_blocks[row] = delta.block_start
         self._append_blocks(row, delta.new_block_ids)
@@ -214,6 +224,8 @@ class InputBatch:
         driver_known = {n.req_id: len(n.token_ids) for n in plan.new_reqs}
         for d in plan.cached_reqs:
             driver_known[d.req_id] = d.token_start + len(d.new_token_ids)
+            if d.self_drafted:  # the driver checks these against its corrected view
+                driver_known[d.req_id] = int(self.num_tokens_known[self.req_id_to_row[d.req_id]])
         req_ids = [r for r in plan.scheduled_req_ids if r in driver_known]
         rows = np.array([self.req_id_to_row[r] for r in req_ids], np.int64)
         lengths = np.array([driver_known[r] for r in req_ids], np.int64)

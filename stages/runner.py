@@ -29,6 +29,7 @@ from stages.transport import StageTransport
 @dataclass
 class StepInputs:
     token_ids: np.ndarray  # [num_tokens]
+    num_new: list[int]  # tokens each scheduled request runs (the plan's, or fewer if self-drafted)
     meta: AttentionMetadata
     sample_req_ids: list[str]  # requests whose known prefix this step completes
     sample_token_index: list[int]  # their last token's index in the step's layout
@@ -101,7 +102,7 @@ class StageRunner:
             x = self.transport.recv_from_prev(len(inputs.token_ids), self.spec.hidden_size, self.dtype)
         recv_done = time.time()
         hidden = self.model(x, inputs.meta, self.kv_caches)
-        for req_id, n in zip(plan.scheduled_req_ids, plan.num_scheduled_tokens):
+        for req_id, n in zip(plan.scheduled_req_ids, inputs.num_new):
             self.batch.mark_computed(req_id, n)
         sampler_output = None
         if self.is_last:
@@ -130,8 +131,17 @@ class StageRunner:
         view = {n.req_id: (n.num_computed_tokens, len(n.token_ids), 0) for n in plan.new_reqs}
         view.update({d.req_id: (d.num_computed_tokens, d.token_start + len(d.new_token_ids),
                                 len(d.draft_token_ids)) for d in plan.cached_reqs})
-        rows = np.array([b.req_id_to_row[r] for r in plan.scheduled_req_ids], np.int64)
         num_new = np.array(plan.num_scheduled_tokens, np.int64)
+        for d in plan.cached_reqs:
+            if d.self_drafted:  # PP=1 async: this rank's own count, tokens and drafts
+                row = b.req_id_to_row[d.req_id]
+                nd = int(b.num_draft_tokens[row])
+                i = plan.scheduled_req_ids.index(d.req_id)
+                if 1 + nd > num_new[i]:
+                    raise AssertionError(f"request {d.req_id!r}: {nd} drafts but {num_new[i]} tokens planned")
+                num_new[i] = 1 + nd
+                view[d.req_id] = (int(b.num_computed_tokens[row]), int(b.num_tokens_known[row]), nd)
+        rows = np.array([b.req_id_to_row[r] for r in plan.scheduled_req_ids], np.int64)
         starts = np.array([view[r][0] for r in plan.scheduled_req_ids], np.int64)
         driver_known = np.array([view[r][1] for r in plan.scheduled_req_ids], np.int64)
         drafts = np.array([view[r][2] for r in plan.scheduled_req_ids], np.int64)
@@ -157,7 +167,7 @@ class StageRunner:
                 token_ids[poisoned] = 0
         else:
             token_ids = np.empty(total, np.int64)
-        return StepInputs(token_ids=token_ids, meta=meta,
+        return StepInputs(token_ids=token_ids, meta=meta, num_new=num_new.tolist(),
                           sample_req_ids=[plan.scheduled_req_ids[i] for i in sample],
                           sample_token_index=[int(query_start_loc[i + 1]) - 1 for i in sample],
                           sample_output_index=[int(driver_known[i] - b.num_prompt_tokens[rows[i]])

@@ -3,7 +3,9 @@ positions in, the emitted tokens (accepted drafts, then one correction or bonus 
 
 It lays the batch out for `kernels.rejection_sampler.rejection_sample` and draws its random
 inputs. A seeded request draws them from a generator seeded with (seed, index of the first
-output token this step emits), so its tokens do not depend on batch, PP size or preemption.
+output token this step emits), so its tokens do not depend on the PP size, the mode or its
+row. They do depend on how many drafts each step verifies, which a tight token budget
+(drafts trimmed to fit) or a preemption can change; their distribution never changes.
 """
 from __future__ import annotations
 

@@ -53,8 +53,8 @@ def test_draft_model_greedy_equals_hf_under_stress(ray_cluster, tiny_model, tiny
     assert stats["spec_num_drafts"] > 0
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
     assert stats["spec_num_rolled_back_blocks"] > 0
-    # Fewer steps than tokens: drafts did save target steps.
-    assert stats["num_generated_tokens"] >= sum(budgets)
+    if pp == 1 and async_scheduling:  # steps planned before the drafts they run were known
+        assert stats["num_placeholder_tokens"] > 0
 
 
 @pytest.mark.parametrize("arch,pp,async_scheduling", [("qwen3", 3, True), ("llama", 2, False)])
@@ -84,6 +84,7 @@ def test_acceptance_counts_identical_sync_async_and_across_pp(ray_cluster, tiny_
                           max_num_batched_tokens=2048, async_scheduling=async_scheduling,
                           speculative_config=draft_config(tiny_root, k=4))
         assert stats["num_preemptions"] == 0
+        assert (stats["num_placeholder_tokens"] > 0) == (pp == 1 and async_scheduling)
         results[(pp, async_scheduling)] = (outs, {k: stats[k] for k in SPEC_KEYS})
     base_outs, base_counts = results[(1, False)]
     compare(model, base_outs, prompts, budgets, "PP=1 sync")
