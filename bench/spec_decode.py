@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import os
 import random
 import sys
@@ -39,9 +40,10 @@ def truncated_draft(target: str, root: str, n: int) -> str:
     path = os.path.join(root, f"{os.path.basename(target.rstrip('/'))}-draft-{n}")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    index = os.path.join(target, "model.safetensors.index.json")
-    files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.isfile(index) \
-        else ["model.safetensors"]
+    index, files = os.path.join(target, "model.safetensors.index.json"), ["model.safetensors"]
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
     keep = {}
     for f in files:
         for name, t in load_file(os.path.join(target, f)).items():
@@ -85,6 +87,10 @@ def spec_delta(before: dict, after: dict) -> dict:
         if d["spec_num_drafts"] else None
     d["tokens_per_step"] = round(d["num_generated_tokens"] / d["num_steps"], 3) if d["num_steps"] else None
     return d
+
+
+def fmt(v, width: int) -> str:
+    return f"{v:>{width}.3f}" if v is not None else f"{'-':>{width}}"
 
 
 def ints(s: str) -> list[int]:
@@ -152,43 +158,44 @@ def main() -> None:
     else:
         ray.init(num_cpus=max(8, max(pps)), include_dashboard=False, log_to_driver=False)
 
-    rows = []
+    rows, errors, plain_outs = [], [], {}  # plain_outs: greedy outputs, to check spec rows against
+    engine_kw = {"device": args.device, "dtype": dtype, "max_num_seqs": max(64, max_c), "num_kv_blocks": blocks,
+                 "max_num_batched_tokens": 8192 if cuda else 1024, "max_model_len": max_len}
     print(f"{'workload':8} {'pp':>2} {'mode':5} {'method':11} {'conc':>4} {'tok/s':>9} {'speedup':>7} "
-          f"{'accept':>6} {'acc/draft':>9} {'tok/step':>8}", flush=True)
-    for pp in pps:
-        for mode in modes:
-            for method in methods:
-                spec = None if method == "plain" else (
-                    {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1,
-                     "prompt_lookup_max": 4} if method == "ngram" else
-                    {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k})
-                with LLM(target, pipeline_parallel_size=pp, device=args.device, dtype=dtype,
-                         max_num_seqs=max(64, max_c), max_num_batched_tokens=8192 if cuda else 1024,
-                         num_kv_blocks=blocks, max_model_len=max_len, async_scheduling=mode == "async",
-                         speculative_config=spec) as llm:
-                    warm = prompts[(workloads[0], concs[0])][:1]
-                    llm.generate([{"prompt_token_ids": q} for q in warm], SamplingParams(max_tokens=8, ignore_eos=True))
-                    for w in workloads:
-                        for c in concs:
-                            before = llm.stats()
-                            t0 = time.perf_counter()
-                            outs = llm.generate([{"prompt_token_ids": q} for q in prompts[(w, c)]], sp)
-                            el = time.perf_counter() - t0
-                            d = spec_delta(before, llm.stats())
-                            n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-                            rows.append({"workload": w, "pp": pp, "mode": mode, "method": method,
-                                         "concurrency": c, "elapsed_s": round(el, 4),
-                                         "output_tokens": n_out, "output_tok_s": round(n_out / el, 1),
-                                         **d})
-                            base = next((r for r in rows if r["method"] == "plain" and
-                                         (r["workload"], r["pp"], r["mode"], r["concurrency"]) == (w, pp, mode, c)), None)
-                            r = rows[-1]
-                            r["speedup_vs_plain"] = round(r["output_tok_s"] / base["output_tok_s"], 3) if base else None
-                            fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
-                            print(f"{w:8} {pp:>2} {mode:5} {method:11} {c:>4} {r['output_tok_s']:>9.1f} "
-                                  f"{fmt(r['speedup_vs_plain'], '>7.3f')} {fmt(r['acceptance_rate'], '>6.3f')} "
-                                  f"{fmt(r['mean_accepted_per_draft'], '>9.3f')} {r['tokens_per_step']:>8.3f}",
-                                  flush=True)
+          f"{'accept':>6} {'acc/draft':>9} {'tok/step':>8} {'same':>5}", flush=True)
+    for pp, method, mode in ((pp, method, mode) for pp in pps for method in methods for mode in modes):
+        spec = None if method == "plain" else (
+            {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1,
+             "prompt_lookup_max": 4} if method == "ngram" else
+            {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k})
+        try:  # one failing configuration is recorded, the others still run
+            with LLM(target, pipeline_parallel_size=pp, async_scheduling=mode == "async",
+                     speculative_config=spec, **engine_kw) as llm:
+                llm.generate([{"prompt_token_ids": prompts[(workloads[0], concs[0])][0]}],
+                             SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
+                for w, c in ((w, c) for w in workloads for c in concs):
+                    before = llm.stats()
+                    t0 = time.perf_counter()
+                    outs = llm.generate([{"prompt_token_ids": q} for q in prompts[(w, c)]], sp)
+                    el = time.perf_counter() - t0
+                    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+                    r = {"workload": w, "pp": pp, "mode": mode, "method": method, "concurrency": c,
+                         "elapsed_s": round(el, 4), "output_tokens": n_out,
+                         "output_tok_s": round(n_out / el, 1), **spec_delta(before, llm.stats())}
+                    toks = [o.outputs[0].token_ids for o in outs]
+                    ref = plain_outs.setdefault((w, pp, c), toks) if method == "plain" else plain_outs.get((w, pp, c))
+                    r["same_as_plain"] = None if ref is None else round(sum(map(operator.eq, toks, ref)) / c, 3)
+                    rows.append(r)
+                    base = next((b for b in rows if b["method"] == "plain" and
+                                 (b["workload"], b["pp"], b["mode"], b["concurrency"]) == (w, pp, mode, c)), None)
+                    r["speedup_vs_plain"] = round(r["output_tok_s"] / base["output_tok_s"], 3) if base else None
+                    print(f"{w:8} {pp:>2} {mode:5} {method:11} {c:>4} {r['output_tok_s']:>9.1f} "
+                          f"{fmt(r['speedup_vs_plain'], 7)} {fmt(r['acceptance_rate'], 6)} "
+                          f"{fmt(r['mean_accepted_per_draft'], 9)} {fmt(r['tokens_per_step'], 8)} {fmt(r['same_as_plain'], 5)}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            msg = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+            errors.append({"pp": pp, "mode": mode, "method": method, "error": msg})
+            print(f"{'-':8} {pp:>2} {mode:5} {method:11} FAILED {msg}", flush=True)
     ray.shutdown()
     path = save(f"spec_decode_{tag}", {
         "model": {"target": shape,
@@ -198,14 +205,19 @@ def main() -> None:
                       "note": "first N decoder layers of the target + its embeddings, final norm, lm_head; "
                               "random weights, untrained"}},
         "weights": "random (untrained): acceptance rates reflect the random model, not a real one",
-        "workload": {"copy": "random span of prompt_len/4 tokens repeated to prompt_len",
+        "workload": {"copy": "random span of prompt_len/4 tokens repeated to prompt_len (random weights do not "
+                             "copy it: greedy outputs fall into short loops of their own, which ngram then drafts)",
                      "random": "uniform random token ids", "prompt_len": args.prompt_len,
                      "out_len": args.out_len, "greedy": True, "ignore_eos": True, "concurrency": concs,
                      "workloads": workloads},
         "engine": {"k": args.k, "ngram": {"prompt_lookup_min": 1, "prompt_lookup_max": 4},
                    "num_kv_blocks": blocks, "max_model_len": max_len, "pp": pps, "modes": modes,
                    "max_num_batched_tokens": 8192 if cuda else 1024},
-        "rows": rows})
+        "columns": {"acceptance_rate": "accepted / drafted tokens", "mean_accepted_per_draft":
+                    "accepted tokens per (request, step) that carried drafts", "tokens_per_step":
+                    "generated tokens / engine steps", "same_as_plain": "fraction of requests whose greedy "
+                    "output equals plain decoding's (same workload, pp, concurrency)"},
+        "rows": rows, "failed_configs": errors})
     print("wrote", path)
 
 

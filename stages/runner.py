@@ -158,7 +158,10 @@ class StageRunner:
         query_start_loc = meta.query_start_loc
         total = len(positions)
         sample = np.nonzero(ends >= driver_known)[0]
-        num_verified = ends - driver_known  # drafts among a sampling request's tokens
+        # The sampled part of a request's tokens: those past the known prefix are drafts. The
+        # last rank may know one more token than the driver (its own pending sample, PP=1).
+        base = np.maximum(known, driver_known)
+        num_verified = ends - base
         if self.is_first:
             token_ids = b.token_ids[token_row, positions]
             poisoned = token_ids < 0
@@ -170,7 +173,7 @@ class StageRunner:
         return StepInputs(token_ids=token_ids, meta=meta, num_new=num_new.tolist(),
                           sample_req_ids=[plan.scheduled_req_ids[i] for i in sample],
                           sample_token_index=[int(query_start_loc[i + 1]) - 1 for i in sample],
-                          sample_output_index=[int(driver_known[i] - b.num_prompt_tokens[rows[i]])
+                          sample_output_index=[int(base[i] - b.num_prompt_tokens[rows[i]])
                                                for i in sample],
                           sample_num_drafts=[int(num_verified[i]) for i in sample])
 
