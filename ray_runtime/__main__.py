@@ -33,6 +33,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
     p.add_argument("--sync", action="store_true", help="plan one step at a time (no async scheduling)")
     p.add_argument("--trace-file", default=None, help="write a Chrome-trace / Perfetto JSON here")
+    p.add_argument("--speculative-config", default=None,
+                   help='JSON, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                        '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\'')
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -49,6 +52,12 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 def build_llm(args):
     from ray_runtime.api import LLM
 
+    spec = None
+    if args.speculative_config:
+        try:
+            spec = json.loads(args.speculative_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not JSON: {e}") from None
     model = args.model
     if model is None:
         from ray_runtime.demo_model import ensure_smollm2
@@ -59,7 +68,8 @@ def build_llm(args):
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                max_model_len=args.max_model_len, placement_strategy=args.placement_strategy,
-               async_scheduling=not args.sync, trace_file=args.trace_file)
+               async_scheduling=not args.sync, trace_file=args.trace_file,
+               speculative_config=spec)
 
 
 def default_sampling(args) -> SamplingParams:

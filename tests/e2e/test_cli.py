@@ -21,7 +21,8 @@ def test_cli_generate_jsonl(ray_cluster, tiny_model, tmp_path):
     cmd = [sys.executable, "-m", "ray_runtime", "generate", "--model", model,
            "--pipeline-parallel-size", "2", "--input", str(src), "--output", str(dst),
            "--max-tokens", "99", "--temperature", "0", "--ignore-eos",
-           "--max-num-batched-tokens", "32"]
+           "--max-num-batched-tokens", "32",
+           "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
     env = {**os.environ, "PYTHONPATH": ROOT}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -42,3 +43,16 @@ def test_cli_rejects_bad_input_with_exit_2(ray_cluster, tiny_model, tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "top_p" in proc.stderr
+
+
+def test_cli_rejects_bad_speculative_config_with_exit_2(tiny_model, tmp_path):
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"prompt_token_ids": [5, 6]}) + "\n")
+    for bad, field in [("{not json", "--speculative-config"),
+                       ('{"method": "ngram", "num_speculative_tokens": 99}', "num_speculative_tokens")]:
+        cmd = [sys.executable, "-m", "ray_runtime", "generate", "--model", tiny_model("mistral"),
+               "-pp", "1", "--input", str(src), "--output", str(tmp_path / "o.jsonl"),
+               "--speculative-config", bad]
+        proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and field in proc.stderr, proc.stderr[-2000:]
