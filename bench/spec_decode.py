@@ -11,7 +11,7 @@ random prompts; acceptance rates; async vs sync; PP=1 and PP=2.
 Weights are random (untrained), so acceptance rates are whatever the random model gives. The
 draft is a layer-truncated self-draft: the target's checkpoint with embeddings, final norm and
 lm_head but only its first --draft-layers decoder layers (same vocabulary by construction).
-One engine per (pp, mode, method), warmed up once, reused for every workload and concurrency;
+One engine per (pp, mode, method), warmed up once (largest batch, 24 tokens), reused for every workload and concurrency;
 concurrency c = one generate() call with c prompts. speedup = tok/s(method) / tok/s(plain) at
 the same (workload, pp, mode, concurrency).
 """
@@ -171,8 +171,10 @@ def main() -> None:
         try:  # one failing configuration is recorded, the others still run
             with LLM(target, pipeline_parallel_size=pp, async_scheduling=mode == "async",
                      speculative_config=spec, **engine_kw) as llm:
-                llm.generate([{"prompt_token_ids": prompts[(workloads[0], concs[0])][0]}],
-                             SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
+                # Warm-up at the largest batch, long enough that every kernel variant (each
+                # draft count, each batch shape) is compiled before anything is timed.
+                llm.generate([{"prompt_token_ids": q} for q in prompts[(workloads[0], max(concs))]],
+                             SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
                 for w, c in ((w, c) for w in workloads for c in concs):
                     before = llm.stats()
                     t0 = time.perf_counter()
