@@ -75,7 +75,9 @@ class EngineConfig:
     dtype: str = "float32"
     block_size: int = 16
     num_kv_blocks: Optional[int] = None  # None: size the pool from memory
-    kv_cache_memory_fraction: float = 0.1  # of free host memory (cpu) / device memory (cuda)
+    kv_cache_memory_fraction: float = 0.1  # cpu: the share of available host memory for KV
+    # cuda: the share of each GPU the engine may fill (weights + profiled activations + KV)
+    gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 256
     max_model_len: Optional[int] = None  # None: the checkpoint's max_position_embeddings
@@ -118,6 +120,8 @@ class EngineConfig:
             raise bad("on_mismatch", f"must be 'repair' or 'raise', got {self.on_mismatch!r}")
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.from_dict(self.speculative_config))
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise bad("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise bad("kv_cache_memory_fraction", f"must be in (0, 1], got {self.kv_cache_memory_fraction}")
 

@@ -15,12 +15,9 @@ def bytes_per_block(spec: ModelSpec, num_layers: int, block_size: int, dtype: to
     return 2 * num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
 
 
-def available_kv_bytes(device: str, fraction: float) -> int:
-    """The share of memory the pool may take: of free device memory on cuda (after the
-    weights are loaded), of available host memory on cpu."""
-    if device == "cuda":
-        free, _total = torch.cuda.mem_get_info()
-        return int(free * fraction)
+def available_host_kv_bytes(fraction: float) -> int:
+    """CPU: the share of available host memory the pool may take (on CUDA the runner
+    profiles the device instead: StageRunner.profile_kv_bytes)."""
     try:
         with open("/proc/meminfo") as f:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}

@@ -15,11 +15,11 @@ import torch
 
 from ray_runtime.config import EngineConfig
 from ray_runtime.messages import SamplerOutput, StageStepResult, StageTiming, StepPlan
+from stages.draft_model import DraftModelProposer
 from stages.input_batch import InputBatch
-from stages.kv_cache import allocate_kv_cache, available_kv_bytes, bytes_per_block
+from stages.kv_cache import allocate_kv_cache, available_host_kv_bytes, bytes_per_block
 from stages.model import attention_metadata, build_stage
 from stages.model_spec import ModelSpec
-from stages.draft_model import DraftModelProposer
 from stages.ngram_proposer import ngram_propose
 from stages.sampler import Sampler, optional
 from stages.spec_sampler import SpecVerifier
@@ -67,7 +67,48 @@ class StageRunner:
         per_block = bytes_per_block(self.spec, self.num_layers, self.config.block_size, self.dtype)
         if self.drafter is not None:
             per_block += self.drafter.bytes_per_block()
-        return max(1, available_kv_bytes(self.device, self.config.kv_cache_memory_fraction) // per_block)
+        if self.device == "cuda":
+            kv_bytes = self.profile_kv_bytes()
+        else:
+            kv_bytes = available_host_kv_bytes(self.config.kv_cache_memory_fraction)
+        if kv_bytes < per_block:
+            raise RuntimeError(
+                f"rank {self.rank}: no memory left for the KV cache ({kv_bytes} bytes after weights "
+                f"and activations; one block needs {per_block}): raise gpu_memory_utilization "
+                "or lower max_num_batched_tokens")
+        return kv_bytes // per_block
+
+    @torch.inference_mode()
+    def profile_kv_bytes(self) -> int:
+        """The GPU bytes left for the KV cache: gpu_memory_utilization of the device, minus
+        what is in use now (weights, CUDA context, other processes) and the activation peak
+        of a dummy step of max_num_batched_tokens tokens (in requests of at most
+        max_model_len tokens) through this stage, with a throwaway KV cache."""
+        cfg = self.config
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        n = cfg.max_num_batched_tokens
+        longest = self.batch.max_model_len
+        lens = [longest] * (n // longest) + ([n % longest] if n % longest else [])
+        bs = cfg.block_size
+        per_req = -(-max(lens) // bs)
+        table = np.arange(len(lens) * per_req, dtype=np.int32).reshape(len(lens), per_req)
+        caches = allocate_kv_cache(self.spec, self.num_layers, table.size, bs, self.dtype, self.device)
+        meta, _, _ = attention_metadata(table, np.arange(len(lens)), np.zeros(len(lens), np.int64),
+                                        np.array(lens, np.int64), bs, self.device)
+        x = torch.zeros(n, dtype=torch.long, device=self.device) if self.is_first else \
+            torch.zeros(n, self.spec.hidden_size, dtype=self.dtype, device=self.device)
+        hidden = self.model(x, meta, caches)
+        if self.is_last:  # logits of every row that may sample, drafts included
+            rows = min(n, cfg.max_num_seqs * (1 + cfg.num_speculative_tokens))
+            self.model.compute_logits(hidden[:rows])
+        torch.cuda.synchronize()
+        activations = torch.cuda.max_memory_allocated() - before
+        del caches, hidden, x
+        torch.cuda.empty_cache()
+        return int(total * cfg.gpu_memory_utilization - (total - free) - activations)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_cache(self.spec, self.num_layers, num_blocks,
