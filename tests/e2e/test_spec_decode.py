@@ -26,6 +26,7 @@ def run(model, pp, prompts, budgets, temperature=0.0, seed=None, **engine):
         llm.check()
     for out, m in zip(outs, budgets):
         assert len(out.outputs[0].token_ids) == m
+    stats["preempted_requests"] = [i for i, o in enumerate(outs) if o.num_preemptions > 0]
     return [o.outputs[0].token_ids for o in outs], stats
 
 
@@ -48,8 +49,11 @@ def test_draft_model_greedy_equals_hf_under_stress(ray_cluster, tiny_model, tiny
     outs, stats = run(model, pp, prompts, budgets, max_num_seqs=16, max_num_batched_tokens=32,
                       num_kv_blocks=24, async_scheduling=async_scheduling,
                       speculative_config=draft_config(tiny_root))
+    # Every output is compared, the preempted-and-resumed ones (back in some freed row, with
+    # their drafts and counts reset) among them.
     compare(model, outs, prompts, budgets, f"PP={pp} async={async_scheduling}")
     assert stats["num_preemptions"] > 0, "the KV cap was meant to force preemption"
+    assert stats["preempted_requests"], "no request was preempted and resumed"
     assert stats["spec_num_drafts"] > 0
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
     assert stats["spec_num_rolled_back_blocks"] > 0
