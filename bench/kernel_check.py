@@ -6,6 +6,8 @@ CPU tests run the same comparisons on small shapes under TRITON_INTERPRET=1).
 - paged decode attention (Qwen3-0.6B: 16 q / 8 kv heads; Llama-3-8B: 32 / 8; head_dim 128;
   bf16 and fp16; 64 rows, contexts 1-2048, block 16, shuffled blocks) vs the float32 torch
   reference: max abs error;
+- paged prefill attention (chunks of 100-1024 tokens over cached prefixes of 0-1024, 16
+  requests, same head shapes and dtypes) vs the float32 reference: max abs error;
 - rejection sampler (vocab 151936, k = 4, 64 requests; greedy, n-gram and draft-model rows
   mixed) vs the torch reference: emitted tokens must be identical.
 """
@@ -21,7 +23,8 @@ import torch  # noqa: E402
 
 from bench.common import save  # noqa: E402
 from kernels.decode_attention_triton import paged_decode_attention  # noqa: E402
-from kernels.paged_attention import decode_attention_batched  # noqa: E402
+from kernels.paged_attention import decode_attention_batched, paged_attention_ref  # noqa: E402
+from kernels.prefill_attention_triton import prefill_attention  # noqa: E402
 from kernels.rejection_sampler import rejection_sample_ref  # noqa: E402
 from kernels.rejection_sampler_triton import rejection_sample_triton  # noqa: E402
 
@@ -48,6 +51,46 @@ def attention_case(heads: int, kv_heads: int, dtype: torch.dtype, rows: int = 64
     return {"heads": heads, "kv_heads": kv_heads, "dtype": str(dtype), "rows": rows,
             "max_abs_err": float((out.float() - ref).abs().max()),
             "kernel_us": (time.perf_counter() - t0) / 20 * 1e6}
+
+
+def prefill_case(heads: int, kv_heads: int, dtype: torch.dtype, block: int = 16,
+                 head_dim: int = 128) -> dict:
+    """Chunks of 100-1024 tokens over cached prefixes of 0-1024 tokens, 16 requests."""
+    gen = torch.Generator(device="cuda").manual_seed(heads + 3 * kv_heads)
+    chunks = torch.randint(100, 1025, (16,), generator=gen, device="cuda").tolist()
+    prefixes = torch.randint(0, 1025, (16,), generator=gen, device="cuda").tolist()
+    prefixes[0] = 0
+    seq_lens = [c + p for c, p in zip(chunks, prefixes)]
+    per_req = [-(-n // block) for n in seq_lens]
+    tables = torch.randperm(sum(per_req), device="cuda", generator=gen)
+    table = torch.zeros(16, max(per_req), dtype=torch.int64, device="cuda")
+    used = 0
+    for i, n in enumerate(per_req):
+        table[i, :n] = tables[used:used + n]
+        used += n
+    k = torch.randn(sum(per_req), block, kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
+    v = torch.randn(sum(per_req), block, kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
+    qsl = [0]
+    for c in chunks:
+        qsl.append(qsl[-1] + c)
+    q = torch.randn(qsl[-1], heads, head_dim, device="cuda", generator=gen).to(dtype)
+    scale = head_dim ** -0.5
+    out = torch.empty_like(q)
+    prefill_attention(q, k, v, table, seq_lens, qsl, list(range(16)), out, scale)
+    ref = paged_attention_ref(q.float(), k.float(), v.float(), table, seq_lens, qsl, scale)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        prefill_attention(q, k, v, table, seq_lens, qsl, list(range(16)), out, scale)
+    torch.cuda.synchronize()
+    kernel_s = (time.perf_counter() - t0) / 10
+    t0 = time.perf_counter()
+    for _ in range(3):
+        paged_attention_ref(q, k, v, table, seq_lens, qsl, scale)
+    torch.cuda.synchronize()
+    return {"heads": heads, "kv_heads": kv_heads, "dtype": str(dtype), "tokens": qsl[-1],
+            "max_abs_err": float((out.float() - ref).abs().max()),
+            "kernel_us": kernel_s * 1e6, "torch_loop_us": (time.perf_counter() - t0) / 3 * 1e6}
 
 
 def rejection_case(seed: int, B: int = 64, K: int = 4, V: int = 151936) -> dict:
@@ -86,13 +129,20 @@ def main() -> None:
     for a in attn:
         print(f"decode attention {a['heads']}/{a['kv_heads']} heads {a['dtype']}: max abs err "
               f"{a['max_abs_err']:.2e}, {a['kernel_us']:.0f} us", flush=True)
+    pre = [prefill_case(h, kv, dt) for h, kv in ((16, 8), (32, 8))
+           for dt in (torch.bfloat16, torch.float16)]
+    for a in pre:
+        print(f"prefill attention {a['heads']}/{a['kv_heads']} heads {a['dtype']}, {a['tokens']} "
+              f"tokens: max abs err {a['max_abs_err']:.2e}, {a['kernel_us']:.0f} us "
+              f"(torch loop {a['torch_loop_us']:.0f} us)", flush=True)
     rej = [rejection_case(s) for s in range(4)]
     for i, r in enumerate(rej):
         print(f"rejection sampler seed {i}: " + ", ".join(
             f"{k} identical={v['identical']} {v['kernel_us']:.0f} us" for k, v in r.items()), flush=True)
-    ok = all(a["max_abs_err"] < 3e-2 for a in attn) and \
+    ok = all(a["max_abs_err"] < 3e-2 for a in attn + pre) and \
         all(v["identical"] for r in rej for v in r.values())
-    print("wrote", save("kernel_check_gpu", {"attention": attn, "rejection_sampler": rej, "all_ok": ok}))
+    print("wrote", save("kernel_check_gpu", {"attention": attn, "prefill_attention": pre,
+                                                "rejection_sampler": rej, "all_ok": ok}))
     sys.exit(0 if ok else 1)
 
 

@@ -6,10 +6,11 @@ A step's tokens are laid out request by request; request i owns query rows
 seq_lens[i] tokens, so a prefill chunk attends to its cached prefix and causally within
 itself, and a decode row is a chunk of one.
 
-`*_ref` are the torch references: the oracle for the Triton kernels of the GPU issue, which
-plug in behind `write_kv` and `paged_attention`. `paged_attention` runs every decode row of
-a step at once (the Triton kernel of decode_attention_triton.py on CUDA, a batched gather on
-CPU) and the prefill chunks one request at a time.
+`*_ref` are the torch references: the oracle for the Triton kernels, which plug in behind
+`paged_attention` on CUDA: every decode row (and every chunk of up to SHORT_CHUNK tokens, as
+decode rows) in one launch of decode_attention_triton.py, every longer chunk in one launch of
+prefill_attention_triton.py. On CPU: a batched gather for the decode rows, the reference
+one request at a time for the chunks.
 """
 from __future__ import annotations
 
@@ -134,6 +135,20 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
     request at a time. `layout`: decode_layout() of this step, computed once for all layers."""
     if layout is None:
         layout = decode_layout(seq_lens, query_start_loc, query.device)
+    if query.is_cuda:  # Triton: one launch for the decode rows, one for the long chunks
+        if layout.all_decode:
+            return _decode_rows(query, key_cache, value_cache, block_tables, layout.ctx_lens, scale)
+        from kernels.prefill_attention_triton import prefill_attention
+
+        query = query.contiguous()
+        out = torch.empty_like(query)
+        if len(layout.token_rows):
+            out[layout.token_rows] = _decode_rows(
+                query.index_select(0, layout.token_rows), key_cache, value_cache,
+                block_tables.index_select(0, layout.table_rows), layout.ctx_lens, scale)
+        prefill_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                          query_start_loc, layout.long_chunks, out, scale)
+        return out
     if len(layout.token_rows) < 2:
         return paged_attention_ref(query, key_cache, value_cache, block_tables, seq_lens,
                                    query_start_loc, scale)

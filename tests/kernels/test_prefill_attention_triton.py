@@ -1,0 +1,75 @@
+"""The Triton prefill (chunk) attention kernel against the torch reference, on CPU through
+Triton's interpreter (TRITON_INTERPRET=1); on the GPU, bench/kernel_check.py."""
+import math
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kernels.paged_attention import paged_attention_ref  # noqa: E402
+from kernels.prefill_attention_triton import prefill_attention  # noqa: E402
+
+
+def _case(reqs, *, group, head_dim, block_size, num_kv_heads=2, block_m=8, only=None, seed=0):
+    """reqs: (context length, chunk length) per request; `only`: the requests the kernel runs
+    (the others' rows must stay untouched)."""
+    gen = torch.Generator().manual_seed(seed)
+    per_req = [-(-c // block_size) for c, _ in reqs]
+    num_blocks = sum(per_req) + 2
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(reqs), max(per_req) + 1, dtype=torch.int64)
+    used = 0
+    for i, n in enumerate(per_req):
+        tables[i, :n] = order[used:used + n]
+        used += n
+    kc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    vc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    qsl = [0]
+    for _, n in reqs:
+        qsl.append(qsl[-1] + n)
+    q = torch.randn(qsl[-1], num_kv_heads * group, head_dim, generator=gen)
+    scale = 1.0 / math.sqrt(head_dim)
+    seq_lens = [c for c, _ in reqs]
+    run = list(range(len(reqs))) if only is None else only
+    out = torch.full_like(q, 7.0)
+    prefill_attention(q, kc, vc, tables, seq_lens, qsl, run, out, scale, block_m=block_m)
+    ref = paged_attention_ref(q, kc, vc, tables, seq_lens, qsl, scale)
+    for i in range(len(reqs)):
+        a, b = qsl[i], qsl[i + 1]
+        if i in run:
+            torch.testing.assert_close(out[a:b], ref[a:b], rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"request {i} {reqs[i]}: {m}")
+        else:
+            assert (out[a:b] == 7.0).all(), f"request {i} was not to be touched"
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("head_dim,block_size", [(16, 4), (64, 16)])
+def test_chunks_over_cached_prefixes(group, head_dim, block_size):
+    # whole prompts, chunks after a prefix, a chunk ending on a block edge, tiles that do
+    # not divide the chunk, a one-token chunk
+    reqs = [(37, 11), (13, 13), (3 * block_size, block_size + 1), (40, 17), (5, 1),
+            (2 * block_size, 2 * block_size)]
+    _case(reqs, group=group, head_dim=head_dim, block_size=block_size, seed=group + head_dim)
+
+
+def test_only_listed_requests_are_written():
+    _case([(20, 20), (9, 1), (30, 12)], group=2, head_dim=16, block_size=4, only=[0, 2])
+
+
+def test_launcher_rejects_bad_shapes():
+    q = torch.zeros(4, 4, 16)
+    kc = torch.zeros(3, 4, 2, 32)
+    with pytest.raises(ValueError, match="head_dim"):
+        prefill_attention(q, kc, kc, torch.zeros(1, 3, dtype=torch.long), [4], [0, 4], [0],
+                          torch.empty_like(q), 0.25)
+    kc = torch.zeros(3, 4, 3, 16)
+    with pytest.raises(ValueError, match="kv heads"):
+        prefill_attention(q, kc, kc, torch.zeros(1, 3, dtype=torch.long), [4], [0, 4], [0],
+                          torch.empty_like(q), 0.25)
+    kc = torch.zeros(3, 4, 2, 16)
+    with pytest.raises(ValueError, match="chunk of 4 tokens in a context of 3"):
+        prefill_attention(q, kc, kc, torch.zeros(1, 3, dtype=torch.long), [3], [0, 4], [0],
+                          torch.empty_like(q), 0.25)
