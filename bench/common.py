@@ -13,6 +13,10 @@ ROOT = os.path.dirname(HERE)
 
 
 def git_commit() -> str:
+    """HEAD, or $BENCH_GIT_COMMIT where the checkout's .git is not the code's (the lent GPU
+    machines get the working tree with a stale .git: pass the commit there)."""
+    if os.environ.get("BENCH_GIT_COMMIT"):
+        return os.environ["BENCH_GIT_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                                        text=True, stderr=subprocess.DEVNULL).strip()
