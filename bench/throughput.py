@@ -51,6 +51,7 @@ def main() -> None:
     p.add_argument("--hf-batch", type=int, default=256)
     p.add_argument("--num-kv-blocks", type=int, default=40000)
     p.add_argument("--root", default="/tmp/ray_runtime_gpu")
+    p.add_argument("--compare-eager", action="store_true", help="also run ours without CUDA graphs")
     args = p.parse_args()
     import ray
 
@@ -63,17 +64,24 @@ def main() -> None:
     out_lens = [rng.randint(args.min_len, args.max_len) for _ in range(args.requests)]
     n_in, n_out = sum(map(len, prompts)), sum(out_lens)
     ray.init(include_dashboard=False)
-    with LLM(model, device="cuda", dtype="bfloat16", max_num_seqs=args.requests,
-             max_num_batched_tokens=8192, num_kv_blocks=args.num_kv_blocks,
-             max_model_len=2 * args.max_len + 16) as llm:
-        llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4))
-        t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": q} for q in prompts],
-                     [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in out_lens])
-        ours_s = time.perf_counter() - t0
-        stats = llm.stats()
-    print(f"ours: {n_out / ours_s:.0f} output tok/s, {(n_in + n_out) / ours_s:.0f} total tok/s "
-          f"({ours_s:.1f}s, {stats['num_steps']} steps)", flush=True)
+
+    def ours(enforce_eager: bool) -> float:
+        with LLM(model, device="cuda", dtype="bfloat16", max_num_seqs=args.requests,
+                 max_num_batched_tokens=8192, num_kv_blocks=args.num_kv_blocks,
+                 max_model_len=2 * args.max_len + 16, enforce_eager=enforce_eager) as llm:
+            llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4))
+            t0 = time.perf_counter()
+            llm.generate([{"prompt_token_ids": q} for q in prompts],
+                         [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in out_lens])
+            took = time.perf_counter() - t0
+            stats = llm.stats()
+        print(f"ours{' (eager)' if enforce_eager else ''}: {n_out / took:.0f} output tok/s, "
+              f"{(n_in + n_out) / took:.0f} total tok/s ({took:.1f}s, {stats['num_steps']} steps)",
+              flush=True)
+        return took
+
+    ours_s = ours(enforce_eager=False)  # CUDA graphs for decode steps (the default)
+    eager_s = ours(enforce_eager=True) if args.compare_eager else None
     hf_s = run_hf(model, prompts, out_lens, args.hf_batch)
     print(f"HF:   {n_out / hf_s:.0f} output tok/s ({hf_s:.1f}s)", flush=True)
     ray.shutdown()
@@ -86,7 +94,10 @@ def main() -> None:
                  "output_tok_s": round(n_out / ours_s, 1), "total_tok_s": round((n_in + n_out) / ours_s, 1)},
         "hf": {"method": f"batched generate, {args.hf_batch} per batch, left padding",
                "elapsed_s": round(hf_s, 2), "output_tok_s": round(n_out / hf_s, 1)},
-        "speedup_vs_hf": round(hf_s / ours_s, 2)}))
+        "speedup_vs_hf": round(hf_s / ours_s, 2),
+        "ours_eager": None if eager_s is None else {
+            "elapsed_s": round(eager_s, 2), "output_tok_s": round(n_out / eager_s, 1),
+            "cuda_graph_speedup": round(eager_s / ours_s, 3)}}))
 
 
 if __name__ == "__main__":

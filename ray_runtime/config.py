@@ -78,6 +78,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.1  # cpu: the share of available host memory for KV
     # cuda: the share of each GPU the engine may fill (weights + profiled activations + KV)
     gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False  # cuda: never replay CUDA graphs (decode steps use them by default)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 256
     max_model_len: Optional[int] = None  # None: the checkpoint's max_position_embeddings

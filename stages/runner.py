@@ -15,6 +15,7 @@ import torch
 
 from ray_runtime.config import EngineConfig
 from ray_runtime.messages import SamplerOutput, StageStepResult, StageTiming, StepPlan
+from stages.cuda_graphs import DecodeGraphs
 from stages.draft_model import DraftModelProposer
 from stages.input_batch import InputBatch
 from stages.kv_cache import allocate_kv_cache, available_host_kv_bytes, bytes_per_block
@@ -59,6 +60,7 @@ class StageRunner:
         self.drafter = DraftModelProposer(config, self.spec, self.sampler._unseeded) \
             if self.verifier and self.spec_config.method == "draft_model" else None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graphs: Optional[DecodeGraphs] = None  # cuda, unless enforce_eager
         self.transport: Optional[StageTransport] = None
         self.fault_hook = None  # tests only: called with the batch after each plan is applied
 
@@ -76,7 +78,7 @@ class StageRunner:
                 f"rank {self.rank}: no memory left for the KV cache ({kv_bytes} bytes after weights "
                 f"and activations; one block needs {per_block}): raise gpu_memory_utilization "
                 "or lower max_num_batched_tokens")
-        return kv_bytes // per_block
+        return kv_bytes // per_block - (1 if self.uses_cuda_graphs else 0)  # the scratch block
 
     @torch.inference_mode()
     def profile_kv_bytes(self) -> int:
@@ -110,11 +112,30 @@ class StageRunner:
         torch.cuda.empty_cache()
         return int(total * cfg.gpu_memory_utilization - (total - free) - activations)
 
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self.device == "cuda" and not self.config.enforce_eager
+
+    @torch.inference_mode()
     def init_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_cache(self.spec, self.num_layers, num_blocks,
+        # With CUDA graphs one more block: the scratch block that padding rows write to.
+        extra = 1 if self.uses_cuda_graphs else 0
+        self.kv_caches = allocate_kv_cache(self.spec, self.num_layers, num_blocks + extra,
                                            self.config.block_size, self.dtype, self.device)
         if self.drafter is not None:
             self.drafter.init_kv_cache(num_blocks)
+        if self.uses_cuda_graphs:
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_caches, is_first=self.is_first,
+                hidden_size=self.spec.hidden_size, max_rows=self.config.max_num_seqs,
+                max_blocks=self.batch.block_table.shape[1], scratch_block=num_blocks,
+                block_size=self.config.block_size, dtype=self.dtype)
+
+    def _forward(self, x: torch.Tensor, meta) -> torch.Tensor:
+        """A decode-only step replays a CUDA graph; any other step runs eagerly."""
+        if self.graphs is not None and meta.layout.all_decode and x.shape[0] <= self.graphs.max_rows:
+            return self.graphs.run(x, meta)
+        return self.model(x, meta, self.kv_caches)
 
     def init_transport(self, host: str, port: int) -> None:
         if self.config.pipeline_parallel_size > 1:
@@ -142,7 +163,7 @@ class StageRunner:
         else:
             x = self.transport.recv_from_prev(len(inputs.token_ids), self.spec.hidden_size, self.dtype)
         recv_done = time.time()
-        hidden = self.model(x, inputs.meta, self.kv_caches)
+        hidden = self._forward(x, inputs.meta)
         for req_id, n in zip(plan.scheduled_req_ids, inputs.num_new):
             self.batch.mark_computed(req_id, n)
         sampler_output = None
