@@ -65,10 +65,11 @@ class SamplerOutput(msgspec.Struct, array_like=True):
     req_ids: list[str]
     incarnations: list[int]
     sampled_token_ids: list[list[int]]  # a list per request: one token now, k+1 with drafts later
-    # Per request, when logprobs were asked: [chosen, top-1, ..., top-n] ids and their logprobs.
-    logprob_token_ids: Optional[list[list[int]]] = None
-    logprobs: Optional[list[list[float]]] = None
-    num_logprob_ranks: Optional[list[int]] = None  # rank of the chosen token (1 = most likely)
+    # When logprobs were asked, per request and per emitted token (empty for a request that
+    # did not ask): [chosen, top-1, ..., top-n] ids, their logprobs, the chosen one's rank.
+    logprob_token_ids: Optional[list[list[list[int]]]] = None
+    logprobs: Optional[list[list[list[float]]]] = None
+    num_logprob_ranks: Optional[list[list[int]]] = None  # 1 = most likely
     # Speculative decoding, per request: drafts verified this step (the accepted ones are
     # len(sampled_token_ids[i]) - 1 of them), and the proposal for its next step.
     num_draft_tokens: Optional[list[int]] = None

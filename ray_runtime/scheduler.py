@@ -29,7 +29,12 @@ from typing import Optional
 
 from ray_runtime.digest import extend_hash
 from ray_runtime.kv_blocks import BlockManager
-from ray_runtime.messages import CachedRequestData, NewRequestData, SamplerOutput, StepPlan
+from ray_runtime.messages import (
+    CachedRequestData,
+    NewRequestData,
+    SamplerOutput,
+    StepPlan,
+)
 from ray_runtime.request import Request, RequestStatus
 
 
@@ -310,10 +315,11 @@ class Scheduler:
                 raise RuntimeError(f"request {req_id!r}: the last rank verified {verified} drafts "
                                    f"but the plan had {drafted}")
             self._settle_drafts(req, drafted, len(tokens) - 1)
-            if out.logprob_token_ids is not None and out.logprob_token_ids[i]:
-                req.logprobs.append((dict(zip(out.logprob_token_ids[i], out.logprobs[i])),
-                                     out.num_logprob_ranks[i]))
-            for tok in tokens:
+            with_lp = out.logprob_token_ids is not None and bool(out.logprob_token_ids[i])
+            for j, tok in enumerate(tokens):
+                if with_lp:
+                    req.logprobs.append((dict(zip(out.logprob_token_ids[i][j], out.logprobs[i][j])),
+                                         out.num_logprob_ranks[i][j]))
                 req.append_output_token(tok, self.max_model_len)
                 self.num_generated_tokens += 1
                 if req.is_finished:

@@ -12,9 +12,6 @@ def validate_request(index: int, token_ids: list[int], sp: SamplingParams, *, vo
     if not isinstance(sp, SamplingParams):
         raise ValueError(f"sampling_params for {where} must be a SamplingParams, got {type(sp).__name__}")
     sp.validate()  # fields may have been changed after construction
-    if num_lookahead and sp.logprobs is not None:
-        raise ValueError(f"{where}: SamplingParams.logprobs is not supported with "
-                         "speculative_config yet; set logprobs=None")
     if len(token_ids) == 0:
         raise ValueError(f"{where}: prompt is empty (prompt_token_ids must hold at least 1 token)")
     bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]

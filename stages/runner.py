@@ -15,14 +15,15 @@ import torch
 
 from ray_runtime.config import EngineConfig
 from ray_runtime.messages import SamplerOutput, StageStepResult, StageTiming, StepPlan
+from ray_runtime.sampling_params import SamplingParams
 from stages.cuda_graphs import DecodeGraphs
 from stages.draft_model import DraftModelProposer
 from stages.input_batch import InputBatch
 from stages.kv_cache import allocate_kv_cache, available_host_kv_bytes, bytes_per_block
-from stages.model import attention_metadata, build_stage
+from stages.model import AttentionMetadata, attention_metadata, build_stage
 from stages.model_spec import ModelSpec
 from stages.ngram_proposer import ngram_propose
-from stages.sampler import Sampler, optional
+from stages.sampler import Sampler, token_logprobs
 from stages.spec_sampler import SpecVerifier
 from stages.transport import StageTransport
 
@@ -268,17 +269,28 @@ class StageRunner:
                                     [inputs.sample_output_index[i] for i in spec], q)
             for i, t in zip(spec, emitted):
                 tokens[i] = t
-        any_lp = res is not None and res.any_logprobs
-        if any_lp and spec:
-            raise NotImplementedError("logprobs with speculative decoding are not supported yet")
-        return SamplerOutput(
+        out = SamplerOutput(
             step_id=step_id, req_ids=inputs.sample_req_ids,
-            incarnations=[int(b.incarnation[r]) for r in rows],
-            sampled_token_ids=tokens,
-            logprob_token_ids=optional(res.logprob_token_ids, any_lp) if res else None,
-            logprobs=optional(res.logprobs, any_lp) if res else None,
-            num_logprob_ranks=optional(res.ranks, any_lp) if res else None,
+            incarnations=[int(b.incarnation[r]) for r in rows], sampled_token_ids=tokens,
             num_draft_tokens=list(inputs.sample_num_drafts) if self.spec_config else None)
+        if any(sp.logprobs is not None for sp in params):
+            self._attach_logprobs(out, logits, params)
+        return out
+
+    @staticmethod
+    def _attach_logprobs(out: SamplerOutput, logits: list[torch.Tensor],
+                         params: list[SamplingParams]) -> None:
+        """Per request, an entry for each emitted token: emitted token j was predicted at
+        the request's j-th sampled position (its last known token, then its drafts)."""
+        ids, vals, ranks = [], [], []
+        for lg, toks, sp in zip(logits, out.sampled_token_ids, params):
+            entries = [] if sp.logprobs is None else [
+                token_logprobs(row, t, sp.logprobs)
+                for row, t in zip(torch.log_softmax(lg[:len(toks)], dim=-1), toks)]
+            ids.append([e[0] for e in entries])
+            vals.append([e[1] for e in entries])
+            ranks.append([e[2] for e in entries])
+        out.logprob_token_ids, out.logprobs, out.num_logprob_ranks = ids, vals, ranks
 
     def _propose(self, req_ids: list[str]) -> list[list[int]]:
         """Drafts for each request's next step, placed in its row (the first stage reads

@@ -7,7 +7,6 @@ whether it was preempted and recomputed in between.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -82,20 +81,22 @@ class Sampler:
                               [0] * len(params), any_logprobs=any(w is not None for w in wanted))
         if not result.any_logprobs:
             return result
-        # Raw model logprobs (before temperature and filters), as vLLM reports by default.
         logprobs = torch.log_softmax(logits, dim=-1)
         for i, n in enumerate(wanted):
             if n is None:
                 continue
-            chosen = logprobs[i, tokens[i]]
-            top = torch.topk(logprobs[i], n) if n > 0 else None
-            ids = [tokens[i]] + (top.indices.tolist() if top is not None else [])
-            vals = [float(chosen)] + (top.values.tolist() if top is not None else [])
-            result.logprob_token_ids[i] = ids
-            result.logprobs[i] = vals
-            result.ranks[i] = int((logprobs[i] > chosen).sum()) + 1
+            result.logprob_token_ids[i], result.logprobs[i], result.ranks[i] = \
+                token_logprobs(logprobs[i], tokens[i], n)
         return result
 
 
-def optional(values: list, any_set: bool) -> Optional[list]:
-    return values if any_set else None
+def token_logprobs(logprobs: torch.Tensor, token: int, n: int) -> tuple[list[int], list[float], int]:
+    """One emitted token's entry, from the raw model logprobs (log_softmax of the logits,
+    before temperature and filters, as vLLM reports by default): [chosen, top-1..top-n] ids
+    and logprobs, and the chosen token's rank (1 = most likely)."""
+    chosen = logprobs[token]
+    top = torch.topk(logprobs, n) if n > 0 else None
+    ids = [token] + (top.indices.tolist() if top is not None else [])
+    vals = [float(chosen)] + (top.values.tolist() if top is not None else [])
+    return ids, vals, int((logprobs > chosen).sum()) + 1
+

@@ -147,10 +147,27 @@ def test_spec_config_and_request_errors(ray_cluster, tiny_model, tiny_root, tmp_
         (other / "config.json").write_text(json.dumps(cfg))
         LLM(model, speculative_config={"method": "draft_model", "num_speculative_tokens": 2,
                                        "model": str(other)})
-    with LLM(model, speculative_config=draft_config(tiny_root)) as llm:
-        with pytest.raises(ValueError, match="logprobs"):
-            llm.generate([{"prompt_token_ids": [5, 6, 7]}],
-                         SamplingParams(max_tokens=3, temperature=0.0, logprobs=2))
-        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
-                           SamplingParams(max_tokens=3, temperature=0.0))
-        assert len(out[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_logprobs_with_drafts_equal_logprobs_without(ray_cluster, tiny_model, tiny_root, pp):
+    """Every emitted token, accepted draft or not, gets its entry: the same tokens, logprobs
+    and ranks as plain decoding reports (greedy: rank 1)."""
+    model = tiny_model("qwen2")
+    prompts, budgets = stress_workload(seed=90, num_requests=8, max_len=80, max_tokens=(4, 16))
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=2)
+              for m in budgets]
+    outs = {}
+    for spec in (None, draft_config(tiny_root)):
+        with LLM(model, pipeline_parallel_size=pp, speculative_config=spec) as llm:
+            outs[spec is None] = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            if spec is not None:
+                assert llm.stats()["spec_num_accepted_tokens"] > 0
+    for plain, drafted in zip(outs[True], outs[False]):
+        a, b = plain.outputs[0], drafted.outputs[0]
+        assert a.token_ids == b.token_ids and len(b.logprobs) == len(b.token_ids)
+        for tok, la, lb in zip(b.token_ids, a.logprobs, b.logprobs):
+            assert set(la) == set(lb) and tok in lb
+            for t in la:
+                assert lb[t].logprob == pytest.approx(la[t].logprob, abs=1e-4)
+            assert lb[tok].rank == 1
