@@ -20,6 +20,9 @@ known: it is "self-drafted", planned for 1 + k tokens, and the rank runs its own
 accepted tokens and its own new drafts (1 + m' <= 1 + k tokens). When the previous step's
 result arrives, the driver learns m' and corrects that in-flight record (its count, its
 audit expectation) before that step's own result is read.
+Draft counts depend on the budget: a request's drafts are trimmed to what is left of it
+(sync, PP>1) and a self-drafted step is only planned when 1 + k tokens fit (PP=1 async), so
+sync and async verify the same drafts when the budget does not bind.
 """
 from __future__ import annotations
 

@@ -79,6 +79,10 @@ class DraftModelProposer:
             return drafts
         rows = np.array([batch.req_id_to_row[req_ids[i]] for i in live], np.int64)
         known = batch.num_tokens_known[rows].copy()
+        # The drafts' KV goes up to position known + cap - 2: inside the driver's lookahead.
+        reach = known + np.array([caps[i] for i in live]) - 1
+        if (reach > batch.num_blocks[rows] * self.block_size).any():
+            raise AssertionError("draft model KV would pass a row's blocks: the lookahead is short")
         done = batch.num_draft_computed[rows].copy()
         # Catch up: every known token the draft has not seen yet, in one mixed batch.
         num_new = known - done

@@ -216,6 +216,12 @@ class StageRunner:
             raise AssertionError(
                 f"rank {self.rank}: request {plan.scheduled_req_ids[i]!r} scheduled up to token "
                 f"{int(ends[i])} but its row knows only {int(known[i])}")
+        # A slot past the row's blocks would land in block 0, another request's: refuse.
+        unbacked = np.nonzero(ends > b.num_blocks[rows] * self.config.block_size)[0]
+        if len(unbacked):
+            i = int(unbacked[0])
+            raise AssertionError(f"rank {self.rank}: request {plan.scheduled_req_ids[i]!r} runs up to "
+                                 f"token {int(ends[i])} but holds {int(b.num_blocks[rows[i]])} KV blocks")
         meta, token_row, positions = attention_metadata(b.block_table, rows, starts, num_new,
                                                         self.config.block_size, self.device)
         query_start_loc = meta.query_start_loc
