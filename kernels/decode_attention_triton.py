@@ -51,14 +51,14 @@ def _paged_decode_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=in_group[:, None])
 
 
-def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
-                           value_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """query: [rows, heads, head_dim], one decode token per row at the end of its context;
-    key/value_cache: [num_blocks, block_size, kv_heads, head_dim]; block_tables:
-    [rows, >= max blocks]; seq_lens: [rows] context lengths (>= 1)."""
-    rows, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, kv_dim = key_cache.shape
+def check_paged_shapes(query: torch.Tensor, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """The checks both paged-attention launchers share: query [tokens, heads, head_dim] and
+    caches [num_blocks, block_size, kv_heads, head_dim] that fit each other, GQA groups,
+    power-of-two head_dim and block_size. Returns (tokens, heads, head_dim, block_size,
+    kv_heads)."""
+    tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, kv_dim = key_cache.shape
     if kv_dim != head_dim or value_cache.shape != key_cache.shape:
         raise ValueError(f"cache shapes {tuple(key_cache.shape)} / {tuple(value_cache.shape)} "
                          f"do not fit query head_dim {head_dim}")
@@ -67,6 +67,17 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
     for name, n in (("head_dim", head_dim), ("block_size", block_size)):
         if n & (n - 1):
             raise ValueError(f"{name} must be a power of two, got {n}")
+    return tokens, num_heads, head_dim, block_size, num_kv_heads
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """query: [rows, heads, head_dim], one decode token per row at the end of its context;
+    key/value_cache: [num_blocks, block_size, kv_heads, head_dim]; block_tables:
+    [rows, >= max blocks]; seq_lens: [rows] context lengths (>= 1)."""
+    rows, num_heads, head_dim, block_size, num_kv_heads = check_paged_shapes(
+        query, key_cache, value_cache)
     if block_tables.shape[0] != rows or seq_lens.shape != (rows,):
         raise ValueError(f"block_tables {tuple(block_tables.shape)} / seq_lens "
                          f"{tuple(seq_lens.shape)} do not match {rows} rows")

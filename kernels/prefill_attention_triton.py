@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.decode_attention_triton import check_paged_shapes
+
 
 @triton.jit
 def _prefill_attention_kernel(
@@ -70,15 +72,8 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     """Writes out[rows of `requests`]: query [num_tokens, heads, head_dim]; caches
     [num_blocks, block_size, kv_heads, head_dim]; block_tables [num_reqs, >= blocks];
     seq_lens / query_start_loc as in paged_attention_ref. Requests not listed are untouched."""
-    num_tokens, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, kv_dim = key_cache.shape
-    if kv_dim != head_dim or value_cache.shape != key_cache.shape:
-        raise ValueError(f"cache shapes {tuple(key_cache.shape)} / {tuple(value_cache.shape)} "
-                         f"do not fit query head_dim {head_dim}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads is not a multiple of {num_kv_heads} kv heads")
-    if head_dim & (head_dim - 1) or block_size & (block_size - 1):
-        raise ValueError(f"head_dim ({head_dim}) and block_size ({block_size}) must be powers of 2")
+    _, num_heads, head_dim, block_size, num_kv_heads = check_paged_shapes(
+        query, key_cache, value_cache)
     if out.shape != query.shape or query.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("query and out must have the same shape and a contiguous last dim")
     if not requests:

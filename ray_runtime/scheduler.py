@@ -27,7 +27,7 @@ sync and async verify the same drafts when the budget does not bind.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from ray_runtime.digest import extend_hash
@@ -58,10 +58,10 @@ class PlanRecord:
     incarnations: dict[str, int]  # of every scheduled request
     sampling: set[str]  # requests this step will sample a token for
     expected: dict[str, Expectation]
-    num_drafts: dict[str, int] = None  # drafts verified per request (speculative decoding)
+    num_drafts: dict[str, int] = field(default_factory=dict)  # drafts verified per request
     # Self-drafted requests whose expectation is not corrected yet (their previous step has
     # not returned, or its result was dropped: then so is this one's, unaudited).
-    self_drafted: set[str] = None
+    self_drafted: set[str] = field(default_factory=set)
 
 
 class Scheduler:
@@ -209,7 +209,7 @@ class Scheduler:
         step_id = self._next_step_id
         self._next_step_id += 1
         record = PlanRecord(plan=None, incarnations={}, sampling=set(), expected={},
-                            num_drafts={}, self_drafted={r.req_id for r in self_drafted_reqs})
+                            self_drafted={r.req_id for r in self_drafted_reqs})
         for req in self_drafted_reqs:
             req.self_drafted_record = record
         for req, n in scheduled:
@@ -312,7 +312,7 @@ class Scheduler:
                     or req.status is not RequestStatus.RUNNING or req_id in discard:
                 self.num_dropped_samples += len(tokens)
                 continue
-            drafted = record.num_drafts.get(req_id, 0) if record.num_drafts else 0
+            drafted = record.num_drafts.get(req_id, 0)
             verified = drafted if out.num_draft_tokens is None else out.num_draft_tokens[i]
             if verified != drafted:
                 raise RuntimeError(f"request {req_id!r}: the last rank verified {verified} drafts "

@@ -73,7 +73,7 @@ class DraftModelProposer:
         first draft (for seeded sampling)."""
         drafts: list[list[int]] = [[] for _ in req_ids]
         live = [i for i, k in enumerate(caps) if k > 0]
-        for i, r in enumerate(req_ids):
+        for r in req_ids:
             self.forget(r)
         if not live:
             return drafts

@@ -56,9 +56,9 @@ class StageRunner:
         self.batch = InputBatch(config.max_num_seqs, max_model_len, config.block_size)
         self.sampler = Sampler(torch.device(self.device)) if self.is_last else None
         self.spec_config = config.speculative_config
-        self.verifier = SpecVerifier(torch.device(self.device), self.sampler._unseeded) \
+        self.verifier = SpecVerifier(torch.device(self.device), self.sampler.unseeded) \
             if self.is_last and self.spec_config else None
-        self.drafter = DraftModelProposer(config, self.spec, self.sampler._unseeded) \
+        self.drafter = DraftModelProposer(config, self.spec, self.sampler.unseeded) \
             if self.verifier and self.spec_config.method == "draft_model" else None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: Optional[DecodeGraphs] = None  # cuda, unless enforce_eager
@@ -260,10 +260,9 @@ class StageRunner:
         plain = [i for i, m in enumerate(inputs.sample_num_drafts) if m == 0]
         spec = [i for i, m in enumerate(inputs.sample_num_drafts) if m > 0]
         tokens: list[list[int]] = [[] for _ in rows]
-        res = None
-        if plain:
+        if plain:  # logprobs: below, for every emitted token at once
             res = self.sampler(torch.cat([logits[i] for i in plain]), [params[i] for i in plain],
-                               [inputs.sample_output_index[i] for i in plain])
+                               [inputs.sample_output_index[i] for i in plain], with_logprobs=False)
             for i, t in zip(plain, res.token_ids):
                 tokens[i] = [t]
         if spec:

@@ -56,22 +56,25 @@ def apply_filters(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
 class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._unseeded = torch.Generator(device=device)
-        self._unseeded.seed()
+        self.unseeded = torch.Generator(device=device)
+        self.unseeded.seed()
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 output_indices: list[int]) -> SampleResult:
+                 output_indices: list[int], with_logprobs: bool = True) -> SampleResult:
         """logits: [num_reqs, vocab] float32; output_indices: per request, the index of the
-        output token being sampled (0 for the first)."""
+        output token being sampled (0 for the first). with_logprobs=False: the caller
+        computes the logprob entries itself (the runner does, for every emitted token)."""
         tokens = torch.argmax(logits, dim=-1)  # greedy rows keep this
         for i, sp in enumerate(params):
             if sp.is_greedy:
                 continue
             probs = torch.softmax(apply_filters(logits[i], sp), dim=-1)
-            gen = self._unseeded if sp.seed is None else \
+            gen = self.unseeded if sp.seed is None else \
                 seeded_generator(sp.seed, output_indices[i], logits.device)
             tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]
         token_list = tokens.tolist()
+        if not with_logprobs:
+            return SampleResult(token_list, [], [], [], any_logprobs=False)
         return self._with_logprobs(logits, params, token_list)
 
     def _with_logprobs(self, logits: torch.Tensor, params: list[SamplingParams],

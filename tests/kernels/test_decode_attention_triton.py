@@ -10,20 +10,13 @@ import torch  # noqa: E402
 
 from kernels.decode_attention_triton import paged_decode_attention  # noqa: E402
 from kernels.paged_attention import paged_attention_ref  # noqa: E402
+from tests.kernels.paged_kv import random_paged_kv  # noqa: E402
 
 
 def _case(ctx_lens, *, group, head_dim, block_size, num_kv_heads=2, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    per_req = [-(-c // block_size) for c in ctx_lens]
-    num_blocks = sum(per_req) + 2
-    order = torch.randperm(num_blocks, generator=gen)
-    tables = torch.zeros(len(ctx_lens), max(per_req) + 1, dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(per_req):
-        tables[i, :n] = order[used:used + n]
-        used += n
-    kc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    vc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    tables, kc, vc = random_paged_kv(ctx_lens, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                     block_size=block_size, gen=gen, table_dtype=torch.int32)
     q = torch.randn(len(ctx_lens), num_kv_heads * group, head_dim, generator=gen)
     scale = 1.0 / math.sqrt(head_dim)
     ours = paged_decode_attention(q, kc, vc, tables, torch.tensor(ctx_lens, dtype=torch.int32), scale)

@@ -10,22 +10,16 @@ import torch  # noqa: E402
 
 from kernels.paged_attention import paged_attention_ref  # noqa: E402
 from kernels.prefill_attention_triton import prefill_attention  # noqa: E402
+from tests.kernels.paged_kv import random_paged_kv  # noqa: E402
 
 
 def _case(reqs, *, group, head_dim, block_size, num_kv_heads=2, block_m=8, only=None, seed=0):
     """reqs: (context length, chunk length) per request; `only`: the requests the kernel runs
     (the others' rows must stay untouched)."""
     gen = torch.Generator().manual_seed(seed)
-    per_req = [-(-c // block_size) for c, _ in reqs]
-    num_blocks = sum(per_req) + 2
-    order = torch.randperm(num_blocks, generator=gen)
-    tables = torch.zeros(len(reqs), max(per_req) + 1, dtype=torch.int64)
-    used = 0
-    for i, n in enumerate(per_req):
-        tables[i, :n] = order[used:used + n]
-        used += n
-    kc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    vc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    tables, kc, vc = random_paged_kv([c for c, _ in reqs], num_kv_heads=num_kv_heads,
+                                     head_dim=head_dim, block_size=block_size, gen=gen,
+                                     table_dtype=torch.int64)
     qsl = [0]
     for _, n in reqs:
         qsl.append(qsl[-1] + n)
