@@ -59,7 +59,7 @@ def build(args, model_dir: str, enforce_eager: bool):
     from stages.model_spec import ModelSpec
 
     spec = ModelSpec.from_dir(model_dir)
-    max_model_len = args.prompt_len + args.steps + 32
+    max_model_len = args.prompt_len + args.steps + 64
     per_req = -(-max_model_len // 16)
     cfg = EngineConfig(model=model_dir, device=args.device, dtype=args.dtype,
                        max_num_seqs=args.rows, max_num_batched_tokens=max(8192, args.rows),
@@ -82,7 +82,7 @@ def lockstep(args, model_dir: str, enforce_eager: bool) -> dict:
     rng = random.Random(0)
     for i in range(args.rows):
         sched.add_request(Request(str(i), [rng.randrange(3, spec.vocab_size) for _ in range(args.prompt_len)],
-                                  SamplingParams(max_tokens=args.steps + 8, temperature=0, ignore_eos=True),
+                                  SamplingParams(max_tokens=args.steps + 40, temperature=0, ignore_eos=True),
                                   frozenset(), i))
     sync = args.device == "cuda"
     timer = PhaseTimer(sync)
