@@ -93,6 +93,71 @@ def prefill_case(heads: int, kv_heads: int, dtype: torch.dtype, block: int = 16,
             "kernel_us": kernel_s * 1e6, "torch_loop_us": (time.perf_counter() - t0) / 3 * 1e6}
 
 
+def split_case(num_splits: int, dtype: torch.dtype) -> dict:
+    """Few rows over long contexts (flash-decoding splits), against the float32 reference."""
+    gen = torch.Generator(device="cuda").manual_seed(num_splits)
+    rows, ctx, block = 4, 4096, 16
+    per = ctx // block
+    tables = torch.randperm(rows * per, device="cuda", generator=gen).view(rows, per)
+    k = torch.randn(rows * per, block, 8, 128, device="cuda", generator=gen).to(dtype)
+    v = torch.randn(rows * per, block, 8, 128, device="cuda", generator=gen).to(dtype)
+    q = torch.randn(rows, 32, 128, device="cuda", generator=gen).to(dtype)
+    lens = torch.tensor([1, 100, 2049, 4096], device="cuda")
+    out = paged_decode_attention(q, k, v, tables, lens, 128 ** -0.5, num_splits=num_splits)
+    ref = decode_attention_batched(q.float(), k.float(), v.float(), tables, lens, 128 ** -0.5)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        paged_decode_attention(q, k, v, tables, lens, 128 ** -0.5, num_splits=num_splits)
+    torch.cuda.synchronize()
+    return {"num_splits": num_splits, "dtype": str(dtype),
+            "max_abs_err": float((out.float() - ref).abs().max()),
+            "kernel_us": (time.perf_counter() - t0) / 20 * 1e6}
+
+
+def layer_ops_case(dtype: torch.dtype) -> dict:
+    """The fused layer kernels against the unfused torch ops on the GPU (the CPU tests can only
+    check bf16 closeness: the interpreter truncates where the GPU rounds). Fraction of
+    elements bit-identical, and the largest difference."""
+    from kernels.layer_ops import rms_norm_ref, rope_ref
+    from kernels.layer_ops_triton import (norm_rope_triton_, rms_norm_triton, silu_and_mul_triton,
+                                          write_kv_triton)
+    from kernels.paged_attention import write_kv_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dtype)
+
+    def compare(got, want):
+        return {"equal_fraction": float((got == want).float().mean()),
+                "max_abs_diff": float((got.float() - want.float()).abs().max())}
+
+    x, r, w = rnd(256, 1024, scale=3), rnd(256, 1024), rnd(1024)
+    out = {"rms_norm": compare(rms_norm_triton(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))}
+    n, s = rms_norm_triton(x, w, 1e-6, residual=r)
+    out["add_rms_norm"] = compare(n, rms_norm_ref(r + x, w, 1e-6))
+    out["add_rms_norm_sum"] = compare(s, r + x)
+    q, qw = rnd(256, 16, 128), rnd(128)
+    pos = torch.arange(256, device="cuda").float() * 7
+    inv = 1.0 / (1e6 ** (torch.arange(0, 128, 2, device="cuda").float() / 128))
+    emb = torch.cat([pos[:, None] * inv[None]] * 2, dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    out["rope"] = compare(norm_rope_triton_(q.clone(), None, 1e-6, cos, sin), rope_ref(q, cos, sin))
+    out["qk_norm_rope"] = compare(norm_rope_triton_(q.clone(), qw, 1e-6, cos, sin),
+                                  rope_ref(rms_norm_ref(q, qw, 1e-6), cos, sin))
+    g, u = rnd(256, 3072, scale=3), rnd(256, 3072)
+    out["silu_and_mul"] = compare(silu_and_mul_triton(g, u), torch.nn.functional.silu(g) * u)
+    kc, vc = rnd(64, 16, 8, 128), rnd(64, 16, 8, 128)
+    kr, vr = kc.clone(), vc.clone()
+    k, v = rnd(256, 8, 128), rnd(256, 8, 128)
+    slots = torch.randperm(64 * 16, device="cuda", generator=gen)[:256]
+    write_kv_triton(kc, vc, k, v, slots)
+    write_kv_ref(kr, vr, k, v, slots)
+    out["write_kv"] = {"identical": bool(torch.equal(kc, kr) and torch.equal(vc, vr))}
+    return {"dtype": str(dtype), **out}
+
+
 def rejection_case(seed: int, B: int = 64, K: int = 4, V: int = 151936) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     num_drafts = torch.randint(0, K + 1, (B,), device="cuda", generator=gen)
@@ -135,13 +200,23 @@ def main() -> None:
         print(f"prefill attention {a['heads']}/{a['kv_heads']} heads {a['dtype']}, {a['tokens']} "
               f"tokens: max abs err {a['max_abs_err']:.2e}, {a['kernel_us']:.0f} us "
               f"(torch loop {a['torch_loop_us']:.0f} us)", flush=True)
+    splits = [split_case(n, dt) for n in (1, 4, 16) for dt in (torch.bfloat16, torch.float32)]
+    for a in splits:
+        print(f"decode attention, {a['num_splits']} splits, {a['dtype']}: max abs err "
+              f"{a['max_abs_err']:.2e}, {a['kernel_us']:.0f} us", flush=True)
+    ops = [layer_ops_case(dt) for dt in (torch.bfloat16, torch.float16, torch.float32)]
+    for o in ops:
+        print(f"layer ops {o['dtype']}: {o}", flush=True)
     rej = [rejection_case(s) for s in range(4)]
     for i, r in enumerate(rej):
         print(f"rejection sampler seed {i}: " + ", ".join(
             f"{k} identical={v['identical']} {v['kernel_us']:.0f} us" for k, v in r.items()), flush=True)
-    ok = all(a["max_abs_err"] < 3e-2 for a in attn + pre) and \
+    ok = all(a["max_abs_err"] < 3e-2 for a in attn + pre + splits) and \
+        all(a["max_abs_err"] < 1e-4 for a in splits if a["dtype"] == "torch.float32") and \
+        all(o["write_kv"]["identical"] for o in ops) and \
         all(v["identical"] for r in rej for v in r.values())
     print("wrote", save("kernel_check_gpu", {"attention": attn, "prefill_attention": pre,
+                                                "decode_splits": splits, "layer_ops": ops,
                                                 "rejection_sampler": rej, "all_ok": ok}))
     sys.exit(0 if ok else 1)
 

@@ -91,6 +91,11 @@ def _decode_rows(query, key_cache, value_cache, block_tables, seq_lens, scale) -
 
 
 def write_kv(key_cache, value_cache, key, value, slot_mapping) -> None:
+    if key.is_cuda:
+        from kernels.layer_ops_triton import write_kv_triton
+
+        write_kv_triton(key_cache, value_cache, key, value, slot_mapping)
+        return
     write_kv_ref(key_cache, value_cache, key, value, slot_mapping)
 
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention_triton import check_paged_shapes
+from kernels.decode_attention_triton import check_paged_shapes, dot_precision
 
 
 @triton.jit
@@ -22,7 +22,7 @@ def _prefill_attention_kernel(
         stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
         stride_kv_block, stride_kv_slot, stride_kv_head, stride_bt_row,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr):
+        BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
@@ -50,7 +50,7 @@ def _prefill_attention_kernel(
         in_ctx = k_pos < ctx
         k = tl.load(k_cache_ptr + offs, mask=in_ctx[:, None], other=0.0)
         v = tl.load(v_cache_ptr + offs, mask=in_ctx[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, BLOCK_SIZE]
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # [BLOCK_M, BLOCK_SIZE]
         allowed = (k_pos[None, :] <= q_pos[:, None]) & in_ctx[None, :]
         scores = tl.where(allowed, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -58,7 +58,7 @@ def _prefill_attention_kernel(
         p = tl.exp(scores - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + m)[:, None] * stride_o_tok + head * stride_o_head + d[None, :],
@@ -100,4 +100,4 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
-        BLOCK_SIZE=block_size)
+        BLOCK_SIZE=block_size, PRECISION=dot_precision(query.dtype))

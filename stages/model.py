@@ -14,10 +14,10 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from kernels.layer_ops import add_rms_norm, norm_rope, rms_norm, silu_and_mul
 from kernels.paged_attention import DecodeLayout, decode_layout, paged_attention, write_kv
 from stages.model_spec import ModelSpec
 
@@ -61,10 +61,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual add fused into the norm."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -101,11 +102,6 @@ class Rotary(nn.Module):
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -126,11 +122,9 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(n, spec.num_heads, spec.head_dim)
         k = self.k_proj(x).view(n, spec.num_kv_heads, spec.head_dim)
         v = self.v_proj(x).view(n, spec.num_kv_heads, spec.head_dim)
-        if spec.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        eps = spec.rms_norm_eps
+        q = norm_rope(q, self.q_norm.weight if spec.qk_norm else None, eps, cos, sin)
+        k = norm_rope(k, self.k_norm.weight if spec.qk_norm else None, eps, cos, sin)
         key_cache, value_cache = kv
         write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
@@ -147,7 +141,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -158,9 +152,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, cos, sin, meta, kv) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, meta, kv) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (mlp output, residual stream before it): the caller (or the next layer's
+        fused norm) adds them, as transformers' `residual + hidden_states` does."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add(x, residual)
+        h = self.self_attn(h, cos, sin, meta, kv)
+        h, residual = self.post_attention_layernorm.add(h, residual)
+        return self.mlp(h), residual
 
 
 class StageModel(nn.Module):
@@ -181,9 +182,10 @@ class StageModel(nn.Module):
         if self.is_first:
             x = self.embed_tokens(x)
         cos, sin = self.rotary(meta.positions, x.dtype)
+        residual = None
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, meta, kv)
-        return x
+            x, residual = layer(x, residual, cos, sin, meta, kv)
+        return x if residual is None else residual + x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden)).float()

@@ -1,0 +1,64 @@
+"""A decoder layer's elementwise ops: torch references (the CPU path, op for op as
+transformers computes them, so that float32 matches its `generate`) and dispatch to the fused
+Triton kernels of `layer_ops_triton.py` on CUDA.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim]; cos/sin [tokens, head_dim]."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return x * cos + rotate_half(x) * sin
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.is_cuda:
+        from kernels.layer_ops_triton import rms_norm_triton
+
+        return rms_norm_triton(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+    return rms_norm_ref(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual), the sum in the model dtype."""
+    if x.is_cuda:
+        from kernels.layer_ops_triton import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, residual=residual)
+    s = residual + x
+    return rms_norm_ref(s, weight, eps), s
+
+
+def norm_rope(x: torch.Tensor, weight, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim]: per-head RMSNorm when weight is not None, then rotary."""
+    if x.is_cuda:
+        from kernels.layer_ops_triton import norm_rope_triton_
+
+        return norm_rope_triton_(x.contiguous(), weight, eps, cos.contiguous(), sin.contiguous())
+    if weight is not None:
+        x = rms_norm_ref(x, weight, eps)
+    return rope_ref(x, cos, sin)
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if gate.is_cuda:
+        from kernels.layer_ops_triton import silu_and_mul_triton
+
+        return silu_and_mul_triton(gate, up)
+    return F.silu(gate) * up
