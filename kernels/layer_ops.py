@@ -1,6 +1,8 @@
 """A decoder layer's elementwise ops: torch references (the CPU path, op for op as
 transformers computes them, so that float32 matches its `generate`) and dispatch to the fused
-Triton kernels of `layer_ops_triton.py` on CUDA.
+Triton kernels of `layer_ops_triton.py` for half-precision models on CUDA. A float32 model
+keeps the unfused ops on CUDA too: the compiler contracts a multiply and an add into one FMA
+inside a kernel, which transformers' eager ops never do, and float32 is the exactness mode.
 """
 from __future__ import annotations
 
@@ -26,8 +28,12 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return x * cos + rotate_half(x) * sin
 
 
+def _fused(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype != torch.float32
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.is_cuda:
+    if _fused(x):
         from kernels.layer_ops_triton import rms_norm_triton
 
         return rms_norm_triton(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
@@ -37,7 +43,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual), x + residual), the sum in the model dtype."""
-    if x.is_cuda:
+    if _fused(x):
         from kernels.layer_ops_triton import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, residual=residual)
@@ -47,7 +53,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 def norm_rope(x: torch.Tensor, weight, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [tokens, heads, head_dim]: per-head RMSNorm when weight is not None, then rotary."""
-    if x.is_cuda:
+    if _fused(x):
         from kernels.layer_ops_triton import norm_rope_triton_
 
         return norm_rope_triton_(x.contiguous(), weight, eps, cos.contiguous(), sin.contiguous())
@@ -57,7 +63,7 @@ def norm_rope(x: torch.Tensor, weight, eps: float, cos: torch.Tensor, sin: torch
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    if gate.is_cuda:
+    if _fused(gate):
         from kernels.layer_ops_triton import silu_and_mul_triton
 
         return silu_and_mul_triton(gate, up)

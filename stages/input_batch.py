@@ -128,6 +128,8 @@ class InputBatch:
         self._append_blocks_from(row, delta)
 
     def _append_blocks_from(self, row: int, delta: CachedRequestData) -> None:
+        if delta.block_start is None and not delta.new_block_ids:
+            return
         if delta.block_start is not None:  # checked in update()
             self.block_table[row, delta.block_start:] = 0  # rolled back: rejected drafts' blocks
             self.num_blocks[row] = delta.block_start
@@ -148,15 +150,21 @@ class InputBatch:
         if end > self.max_model_len:
             raise ValueError(f"request {req_id!r}: {end} tokens > max_model_len {self.max_model_len}")
         overlap = min(end, known) - start
-        if overlap > 0:
+        if overlap == 1:  # the common case (a decode step's token): no array round trip
+            self.num_conflicts[row] += int(self.token_ids[row, start]) != tokens[0]
+        elif overlap > 0:
             held = self.token_ids[row, start:start + overlap]
             self.num_conflicts[row] += int((held != np.asarray(tokens[:overlap])).sum())
         if end > known:  # the known prefix grows over where drafts were: they are spent
-            self._clear_drafts(row)
-        self.token_ids[row, start:end] = tokens
-        # Grows from its own value only: never derived from num_computed_tokens (SEEDS.md 1).
-        self.num_tokens_known[row] = max(known, end)
-        self.last_sampled_token[row] = self.token_ids[row, self.num_tokens_known[row] - 1]
+            if self.num_draft_tokens[row]:
+                self._clear_drafts(row)
+            # Grows from its own value only: never derived from num_computed_tokens (SEEDS.md 1).
+            self.num_tokens_known[row] = known = end
+        if len(tokens) == 1:
+            self.token_ids[row, start] = tokens[0]
+        else:
+            self.token_ids[row, start:end] = tokens
+        self.last_sampled_token[row] = self.token_ids[row, known - 1]
 
     def append_tokens(self, req_id: str, new_token_ids: list[int]) -> None:
         """Extend the known prefix at its end (the last rank's own samples)."""
@@ -167,7 +175,10 @@ class InputBatch:
         """Make `drafts` the row's drafts. Where the row held drafts already (the last rank
         proposed them), a different value in the overlap counts as a conflict."""
         row = self.req_id_to_row[req_id]
-        known, held = int(self.num_tokens_known[row]), int(self.num_draft_tokens[row])
+        held = int(self.num_draft_tokens[row])
+        if not drafts and not held:
+            return
+        known = int(self.num_tokens_known[row])
         if known + len(drafts) > self.max_model_len:
             raise ValueError(f"request {req_id!r}: {known} tokens + {len(drafts)} drafts > "
                              f"max_model_len {self.max_model_len}")
