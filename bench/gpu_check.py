@@ -137,7 +137,7 @@ def main() -> None:
 
     ray.init(runtime_env={"env_vars": gpu_ray_env()}, include_dashboard=False)
     rng = random.Random(0)
-    pps = [1, 2] if torch.cuda.device_count() >= 2 else [1]
+    pps = [n for n in (1, 2, 4) if n <= torch.cuda.device_count()]
     small = qwen3_dir(args.root, 5, torch.float32, small=True)
     result = {"gpus": torch.cuda.device_count(), "agreement": []}
     result["agreement"] += agreement(small, "float32", pps, 32, 32, rng)

@@ -1,8 +1,10 @@
 """PP scaling on a Llama-3-8B-shaped model (32 layers, hidden 4096, intermediate 14336,
 32 heads, 8 KV heads, vocab 128256), random bf16 weights: PP=1 on one GPU vs PP=2 on two,
-async, one saturating workload. pp2_scaling_efficiency = tput(PP2) / (2 x tput(PP1)).
+one saturating workload. pp{N}_scaling_efficiency = tput(PP=N) / (N x tput(PP=1)), async;
+async_speedup at PP=N = tput(async) / tput(sync), where both modes ran.
 
-  python bench/pp_scaling.py [--requests 256] [--input-len 256] [--output-len 128] [--pp 1 2]
+  python bench/pp_scaling.py [--requests 256] [--input-len 256] [--output-len 128] [--pp 1 2 4]
+                             [--modes async sync] [--tag h200x4]
 """
 from __future__ import annotations
 
@@ -71,6 +73,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--pp", type=int, nargs="+", default=[1, 2])
     p.add_argument("--path", default="/tmp/ray_runtime_gpu/llama3_8b_random")
+    p.add_argument("--modes", nargs="+", default=["async"], choices=["async", "sync"])
+    p.add_argument("--tag", default="")
     args = p.parse_args()
     import ray
 
@@ -85,11 +89,12 @@ def main() -> None:
             for _ in range(args.requests)]
     sp = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     rows = []
-    for pp in args.pp:
+    for pp, mode in [(pp, m) for pp in args.pp for m in args.modes]:
         blocks = args.requests * ((args.input_len + args.output_len) // 16 + 2)
         with LLM(model, pipeline_parallel_size=pp, device="cuda", dtype="bfloat16",
                  max_num_seqs=args.requests, max_num_batched_tokens=8192, num_kv_blocks=blocks,
-                 max_model_len=args.input_len + args.output_len + 16) as llm:
+                 max_model_len=args.input_len + args.output_len + 16,
+                 async_scheduling=mode == "async") as llm:
             llm.generate(reqs[:2], SamplingParams(max_tokens=2))
             b = llm.stats()
             t0 = time.perf_counter()
@@ -97,19 +102,22 @@ def main() -> None:
             el = time.perf_counter() - t0
             st = llm.stats()
         idle = idle_fractions_between(b, st)
-        rows.append({"pp": pp, "async": True, "elapsed_s": round(el, 2),
+        rows.append({"pp": pp, "async": mode == "async", "elapsed_s": round(el, 2),
                      "output_tok_s": round(args.requests * args.output_len / el, 1),
                      "steps": st["num_steps"] - b["num_steps"], "stage_idle_fraction": idle})
         print(rows[-1], flush=True)
     result = {"model": {"shape": "Llama-3-8B", **SHAPE, "dtype": "bfloat16", "weights": "random"},
               "workload": {"requests": args.requests, "input_len": args.input_len,
                            "output_len": args.output_len, "ignore_eos": True}, "rows": rows}
-    by_pp = {r["pp"]: r["output_tok_s"] for r in rows}
-    if 1 in by_pp and 2 in by_pp:
-        result["pp2_scaling_efficiency"] = round(by_pp[2] / (2 * by_pp[1]), 3)
-        print("pp2_scaling_efficiency", result["pp2_scaling_efficiency"])
+    tput = {(r["pp"], r["async"]): r["output_tok_s"] for r in rows}
+    for pp in args.pp:
+        if pp > 1 and (1, True) in tput and (pp, True) in tput:
+            result[f"pp{pp}_scaling_efficiency"] = round(tput[(pp, True)] / (pp * tput[(1, True)]), 3)
+        if (pp, True) in tput and (pp, False) in tput:
+            result[f"async_speedup_pp{pp}"] = round(tput[(pp, True)] / tput[(pp, False)], 3)
+    print({k: v for k, v in result.items() if "efficiency" in k or "speedup" in k})
     ray.shutdown()
-    print("wrote", save("pp_scaling", result))
+    print("wrote", save("pp_scaling" + (f"_{args.tag}" if args.tag else ""), result))
 
 
 if __name__ == "__main__":
