@@ -75,6 +75,7 @@ def main() -> None:
     p.add_argument("--path", default="/tmp/ray_runtime_gpu/llama3_8b_random")
     p.add_argument("--modes", nargs="+", default=["async"], choices=["async", "sync"])
     p.add_argument("--tag", default="")
+    p.add_argument("--trace-dir", default=None, help="write a pipeline trace per run there")
     args = p.parse_args()
     import ray
 
@@ -94,7 +95,9 @@ def main() -> None:
         with LLM(model, pipeline_parallel_size=pp, device="cuda", dtype="bfloat16",
                  max_num_seqs=args.requests, max_num_batched_tokens=8192, num_kv_blocks=blocks,
                  max_model_len=args.input_len + args.output_len + 16,
-                 async_scheduling=mode == "async") as llm:
+                 async_scheduling=mode == "async",
+                 trace_file=os.path.join(args.trace_dir, f"trace_pp{pp}_{mode}.json")
+                 if args.trace_dir else None) as llm:
             llm.generate(reqs[:2], SamplingParams(max_tokens=2))
             b = llm.stats()
             t0 = time.perf_counter()
@@ -104,7 +107,9 @@ def main() -> None:
         idle = idle_fractions_between(b, st)
         rows.append({"pp": pp, "async": mode == "async", "elapsed_s": round(el, 2),
                      "output_tok_s": round(args.requests * args.output_len / el, 1),
-                     "steps": st["num_steps"] - b["num_steps"], "stage_idle_fraction": idle})
+                     "steps": st["num_steps"] - b["num_steps"], "stage_idle_fraction": idle,
+                     "driver_s": {k: round(st[f"driver_{k}_s"] - b[f"driver_{k}_s"], 3)
+                                  for k in ("plan", "wait", "audit")}})
         print(rows[-1], flush=True)
     result = {"model": {"shape": "Llama-3-8B", **SHAPE, "dtype": "bfloat16", "weights": "random"},
               "workload": {"requests": args.requests, "input_len": args.input_len,
