@@ -75,6 +75,8 @@ def main() -> None:
     p.add_argument("--path", default="/tmp/ray_runtime_gpu/llama3_8b_random")
     p.add_argument("--modes", nargs="+", default=["async"], choices=["async", "sync"])
     p.add_argument("--tag", default="")
+    p.add_argument("--inflight", type=int, nargs="+", default=[0],
+                   help="max_inflight_steps values to run at PP>1 (0: the default, pp + 1)")
     p.add_argument("--trace-dir", default=None, help="write a pipeline trace per run there")
     args = p.parse_args()
     import ray
@@ -90,12 +92,14 @@ def main() -> None:
             for _ in range(args.requests)]
     sp = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     rows = []
-    for pp, mode in [(pp, m) for pp in args.pp for m in args.modes]:
+    runs = [(pp, m, n) for pp in args.pp for m in args.modes
+            for n in (args.inflight if pp > 1 and m == "async" else [0])]
+    for pp, mode, inflight in runs:
         blocks = args.requests * ((args.input_len + args.output_len) // 16 + 2)
         with LLM(model, pipeline_parallel_size=pp, device="cuda", dtype="bfloat16",
                  max_num_seqs=args.requests, max_num_batched_tokens=8192, num_kv_blocks=blocks,
                  max_model_len=args.input_len + args.output_len + 16,
-                 async_scheduling=mode == "async",
+                 async_scheduling=mode == "async", max_inflight_steps=inflight or None,
                  trace_file=os.path.join(args.trace_dir, f"trace_pp{pp}_{mode}.json")
                  if args.trace_dir else None) as llm:
             llm.generate(reqs[:2], SamplingParams(max_tokens=2))
@@ -105,7 +109,8 @@ def main() -> None:
             el = time.perf_counter() - t0
             st = llm.stats()
         idle = idle_fractions_between(b, st)
-        rows.append({"pp": pp, "async": mode == "async", "elapsed_s": round(el, 2),
+        rows.append({"pp": pp, "async": mode == "async", "max_inflight_steps": inflight or pp + 1,
+                     "elapsed_s": round(el, 2),
                      "output_tok_s": round(args.requests * args.output_len / el, 1),
                      "steps": st["num_steps"] - b["num_steps"], "stage_idle_fraction": idle,
                      "driver_s": {k: round(st[f"driver_{k}_s"] - b[f"driver_{k}_s"], 3)
@@ -114,7 +119,13 @@ def main() -> None:
     result = {"model": {"shape": "Llama-3-8B", **SHAPE, "dtype": "bfloat16", "weights": "random"},
               "workload": {"requests": args.requests, "input_len": args.input_len,
                            "output_len": args.output_len, "ignore_eos": True}, "rows": rows}
-    tput = {(r["pp"], r["async"]): r["output_tok_s"] for r in rows}
+    # The default micro-batching (pp + 1 in flight) is what the efficiency figures use.
+    tput = {(r["pp"], r["async"]): r["output_tok_s"] for r in rows
+            if not r["async"] or r["max_inflight_steps"] == r["pp"] + 1}
+    for r in rows:
+        if r["async"] and r["max_inflight_steps"] != r["pp"] + 1 and (1, True) in tput:
+            result[f"pp{r['pp']}_scaling_efficiency_inflight{r['max_inflight_steps']}"] = round(
+                r["output_tok_s"] / (r["pp"] * tput[(1, True)]), 3)
     for pp in args.pp:
         if pp > 1 and (1, True) in tput and (pp, True) in tput:
             result[f"pp{pp}_scaling_efficiency"] = round(tput[(pp, True)] / (pp * tput[(1, True)]), 3)

@@ -83,6 +83,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 256
     max_model_len: Optional[int] = None  # None: the checkpoint's max_position_embeddings
     async_scheduling: bool = True
+    # async: steps in flight at once (None: pipeline_parallel_size + 1). At PP>1 a request
+    # waits for its token, so this is also the number of micro-batches the batch splits into.
+    max_inflight_steps: Optional[int] = None
     on_mismatch: str = "repair"  # what the driver does when a rank's digest disagrees: or "raise"
     trace_file: Optional[str] = None  # Chrome trace / Perfetto JSON of the pipeline
     placement_strategy: str = "PACK"
@@ -117,6 +120,8 @@ class EngineConfig:
         if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
             raise bad("placement_strategy", f"must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, "
                                             f"got {self.placement_strategy!r}")
+        if self.max_inflight_steps is not None and self.max_inflight_steps < 1:
+            raise bad("max_inflight_steps", f"must be >= 1, got {self.max_inflight_steps}")
         if self.on_mismatch not in ("repair", "raise"):
             raise bad("on_mismatch", f"must be 'repair' or 'raise', got {self.on_mismatch!r}")
         object.__setattr__(self, "speculative_config",

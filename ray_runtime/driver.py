@@ -55,7 +55,7 @@ class Driver:
             num_speculative_tokens=config.num_speculative_tokens)
         # pp plans keep every stage busy; one more waits at stage 0 so that it starts the
         # next step while the driver is still reconciling the last rank's result.
-        self.max_inflight = pp + 1 if config.async_scheduling else 1
+        self.max_inflight = (config.max_inflight_steps or pp + 1) if config.async_scheduling else 1
         self._inflight: deque[tuple[PlanRecord, list]] = deque()
         self.eos_token_ids = frozenset(self.spec.eos_token_ids)
         self.trace = PipelineTrace(pp, record_events=config.trace_file is not None)

@@ -156,15 +156,16 @@ class StageRunner:
         if self.config.debug_checks:
             self.batch.check()
         inputs = self.prepare_inputs(plan)
-        t_digest = time.perf_counter()
-        digests = self.batch.digests(plan)
-        digest_s = time.perf_counter() - t_digest
         if self.is_first:
             x = torch.from_numpy(inputs.token_ids).to(self.device)
         else:
             x = self.transport.recv_from_prev(len(inputs.token_ids), self.spec.hidden_size, self.dtype)
         recv_done = time.time()
         hidden = self._forward(x, inputs.meta)
+        # While the device runs the step: the digests of the rows as the plan left them.
+        t_digest = time.perf_counter()
+        digests = self.batch.digests(plan)
+        digest_s = time.perf_counter() - t_digest
         for req_id, n in zip(plan.scheduled_req_ids, inputs.num_new):
             self.batch.mark_computed(req_id, n)
         sampler_output = None

@@ -75,6 +75,8 @@ def test_config_errors_raise_before_anything_runs(tiny_model, tmp_path):
         LLM(model, pipeline_parallel_size=3, pp_layer_partition="3,4")
     with pytest.raises(ValueError, match="pipeline_parallel_size"):
         LLM(model, pipeline_parallel_size=8)
+    with pytest.raises(ValueError, match="max_inflight_steps"):
+        LLM(model, max_inflight_steps=0)
     bad = tmp_path / "gpt2ish"
     shutil.copytree(model, bad)
     cfg = json.loads((bad / "config.json").read_text())
