@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.common import gpu_ray_env, idle_fractions_between, save  # noqa: E402
+from ray_runtime.config import default_inflight_steps  # noqa: E402
 
 SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
              num_key_value_heads=8, vocab_size=128256, head_dim=128)
@@ -76,7 +77,7 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", default=["async"], choices=["async", "sync"])
     p.add_argument("--tag", default="")
     p.add_argument("--inflight", type=int, nargs="+", default=[0],
-                   help="max_inflight_steps values to run at PP>1 (0: the default, pp + 1)")
+                   help="max_inflight_steps values to run at PP>1 (0: the default, one per stage)")
     p.add_argument("--trace-dir", default=None, help="write a pipeline trace per run there")
     args = p.parse_args()
     import ray
@@ -109,7 +110,7 @@ def main() -> None:
             el = time.perf_counter() - t0
             st = llm.stats()
         idle = idle_fractions_between(b, st)
-        rows.append({"pp": pp, "async": mode == "async", "max_inflight_steps": inflight or pp + 1,
+        rows.append({"pp": pp, "async": mode == "async", "max_inflight_steps": inflight or default_inflight_steps(pp),
                      "elapsed_s": round(el, 2),
                      "output_tok_s": round(args.requests * args.output_len / el, 1),
                      "steps": st["num_steps"] - b["num_steps"], "stage_idle_fraction": idle,
@@ -119,11 +120,12 @@ def main() -> None:
     result = {"model": {"shape": "Llama-3-8B", **SHAPE, "dtype": "bfloat16", "weights": "random"},
               "workload": {"requests": args.requests, "input_len": args.input_len,
                            "output_len": args.output_len, "ignore_eos": True}, "rows": rows}
-    # The default micro-batching (pp + 1 in flight) is what the efficiency figures use.
+    # The default micro-batching is what the efficiency figures use.
     tput = {(r["pp"], r["async"]): r["output_tok_s"] for r in rows
-            if not r["async"] or r["max_inflight_steps"] == r["pp"] + 1}
+            if not r["async"] or r["max_inflight_steps"] == default_inflight_steps(r["pp"])}
     for r in rows:
-        if r["async"] and r["max_inflight_steps"] != r["pp"] + 1 and (1, True) in tput:
+        if r["async"] and r["max_inflight_steps"] != default_inflight_steps(r["pp"]) \
+                and (1, True) in tput:
             result[f"pp{r['pp']}_scaling_efficiency_inflight{r['max_inflight_steps']}"] = round(
                 r["output_tok_s"] / (r["pp"] * tput[(1, True)]), 3)
     for pp in args.pp:

@@ -53,9 +53,10 @@ class Driver:
             max_model_len=self.max_model_len,
             allow_placeholders=config.async_scheduling and pp == 1,
             num_speculative_tokens=config.num_speculative_tokens)
-        # pp plans keep every stage busy; one more waits at stage 0 so that it starts the
-        # next step while the driver is still reconciling the last rank's result.
-        self.max_inflight = (config.max_inflight_steps or pp + 1) if config.async_scheduling else 1
+        # PP>1: one plan per stage keeps every stage busy (the last stage, which samples, is
+        # the slowest; a request's next step waits for its token anyway). PP=1: the next plan
+        # waits behind the running one and computes on its pending sample.
+        self.max_inflight = config.inflight_steps
         self._inflight: deque[tuple[PlanRecord, list]] = deque()
         self.eos_token_ids = frozenset(self.spec.eos_token_ids)
         self.trace = PipelineTrace(pp, record_events=config.trace_file is not None)
