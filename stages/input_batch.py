@@ -197,10 +197,30 @@ class InputBatch:
 
     def mark_computed(self, req_id: str, num_tokens: int) -> None:
         """A step ran num_tokens of the request: its drafts among them stay unresolved."""
-        row = self.req_id_to_row[req_id]
-        drafts = int(self.num_draft_tokens[row])
-        self.num_computed_tokens[row] += num_tokens - drafts
-        self.num_unresolved_drafts[row] = drafts
+        self.mark_computed_rows(np.array([self.req_id_to_row[req_id]]), np.array([num_tokens]))
+
+    def mark_computed_rows(self, rows: np.ndarray, num_tokens: np.ndarray) -> None:
+        """mark_computed for a step's rows at once (rows distinct)."""
+        drafts = self.num_draft_tokens[rows]
+        self.num_computed_tokens[rows] += num_tokens - drafts
+        self.num_unresolved_drafts[rows] = drafts
+
+    def append_samples(self, req_ids: list[str], samples: list[list[int]]) -> None:
+        """The last rank's own samples, request by request: append_tokens, then
+        resolve_drafts with all but the last sample as accepted drafts. The common step (one
+        token per request, no drafts in any row, room in every row) runs as array ops."""
+        rows = np.array([self.req_id_to_row[r] for r in req_ids], np.int64)
+        known = self.num_tokens_known[rows]
+        if all(len(t) == 1 for t in samples) and not self.num_draft_tokens[rows].any() \
+                and not self.num_unresolved_drafts[rows].any() and (known < self.max_model_len).all():
+            tokens = np.array([t[0] for t in samples], np.int64)
+            self.token_ids[rows, known] = tokens
+            self.num_tokens_known[rows] = known + 1
+            self.last_sampled_token[rows] = tokens
+            return
+        for req_id, toks in zip(req_ids, samples):
+            self.append_tokens(req_id, toks)
+            self.resolve_drafts(req_id, len(toks) - 1)
 
     def resolve_drafts(self, req_id: str, num_accepted: int) -> None:
         """The last rank's verdict: the first num_accepted drafts become computed tokens."""

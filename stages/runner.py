@@ -31,6 +31,7 @@ from stages.transport import StageTransport
 @dataclass
 class StepInputs:
     token_ids: np.ndarray  # [num_tokens]
+    rows: np.ndarray  # the batch row of each scheduled request
     num_new: list[int]  # tokens each scheduled request runs (the plan's, or fewer if self-drafted)
     meta: AttentionMetadata
     sample_req_ids: list[str]  # requests whose known prefix this step completes
@@ -166,16 +167,13 @@ class StageRunner:
         t_digest = time.perf_counter()
         digests = self.batch.digests(plan)
         digest_s = time.perf_counter() - t_digest
-        for req_id, n in zip(plan.scheduled_req_ids, inputs.num_new):
-            self.batch.mark_computed(req_id, n)
+        self.batch.mark_computed_rows(inputs.rows, np.asarray(inputs.num_new, np.int64))
         sampler_output = None
         if self.is_last:
             sampler_output = self._sample(plan.step_id, hidden, inputs)
             # The last rank holds its samples at once: with PP=1 the next plan may already
             # compute on them before the driver has seen them (async placeholders).
-            for req_id, toks in zip(sampler_output.req_ids, sampler_output.sampled_token_ids):
-                self.batch.append_tokens(req_id, toks)
-                self.batch.resolve_drafts(req_id, len(toks) - 1)
+            self.batch.append_samples(sampler_output.req_ids, sampler_output.sampled_token_ids)
             if self.spec_config is not None:
                 sampler_output.draft_token_ids = self._propose(sampler_output.req_ids)
         compute_done = time.time()
@@ -240,7 +238,7 @@ class StageRunner:
                 token_ids[poisoned] = 0
         else:
             token_ids = np.empty(total, np.int64)
-        return StepInputs(token_ids=token_ids, meta=meta, num_new=num_new.tolist(),
+        return StepInputs(token_ids=token_ids, rows=rows, meta=meta, num_new=num_new.tolist(),
                           sample_req_ids=[plan.scheduled_req_ids[i] for i in sample],
                           sample_token_index=[int(query_start_loc[i + 1]) - 1 for i in sample],
                           sample_output_index=[int(base[i] - b.num_prompt_tokens[rows[i]])
@@ -256,13 +254,15 @@ class StageRunner:
         counts = [m + 1 for m in inputs.sample_num_drafts]
         index = torch.tensor([i for last, n in zip(inputs.sample_token_index, counts)
                               for i in range(last - n + 1, last + 1)], device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index)).split(counts)
+        all_logits = self.model.compute_logits(hidden.index_select(0, index))
+        logits = all_logits.split(counts)
         params = [b.sampling[r] for r in rows]
         plain = [i for i, m in enumerate(inputs.sample_num_drafts) if m == 0]
         spec = [i for i, m in enumerate(inputs.sample_num_drafts) if m > 0]
         tokens: list[list[int]] = [[] for _ in rows]
         if plain:  # logprobs: below, for every emitted token at once
-            res = self.sampler(torch.cat([logits[i] for i in plain]), [params[i] for i in plain],
+            plain_logits = all_logits if not spec else torch.cat([logits[i] for i in plain])
+            res = self.sampler(plain_logits, [params[i] for i in plain],
                                [inputs.sample_output_index[i] for i in plain], with_logprobs=False)
             for i, t in zip(plain, res.token_ids):
                 tokens[i] = [t]

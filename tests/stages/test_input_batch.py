@@ -653,3 +653,48 @@ def test_generation_is_per_row():
     g0, g1 = int(b.generation[0]), int(b.generation[1])
     b.swap(1, 2)  # d into hole row 2: row 2 gets a tenant, row 1 becomes a hole
     assert b.generation[2] > g2 and b.generation[1] == g1 and b.generation[0] == g0
+
+
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+def _three_rows() -> InputBatch:
+    b = InputBatch(MAX_SEQS, MAX_LEN, BS)
+    for i, n in enumerate((5, 9, MAX_LEN - 1)):
+        b.add(NewRequestData(req_id=f"q{i}", incarnation=i, token_ids=list(range(10 * i, 10 * i + n)),
+                             num_prompt_tokens=n, num_computed_tokens=n - 1,
+                             block_ids=list(range(16 * i, 16 * i + MAX_BLOCKS)),
+                             sampling=_GREEDY))
+    return b
+
+
+@pytest.mark.parametrize("samples,drafts", [
+    ([[7], [8], [9]], None),  # the array path
+    ([[7], [3, 8], [9]], [3, 5]),  # q1's first draft accepted: the per-request path
+    ([[7], [8], [9]], [1, 2]),  # q1's drafts rejected: the per-request path
+])
+def test_append_samples_equals_append_then_resolve(samples, drafts):
+    """The batched append must leave exactly the state of the per-request calls."""
+    ids = ["q0", "q1", "q2"]
+    fast, slow = _three_rows(), _three_rows()
+    for b in (fast, slow):
+        if drafts:
+            b.set_drafts("q1", drafts)
+        b.mark_computed_rows(np.array([0, 1, 2]), np.array([1, 1 + len(drafts or []), 1]))
+    fast.append_samples(ids, samples)
+    for r, toks in zip(ids, samples):
+        slow.append_tokens(r, toks)
+        slow.resolve_drafts(r, len(toks) - 1)
+    assert_same_state(batch_state(slow), batch_state(fast))
+    fast.check()
+
+
+def test_mark_computed_rows_equals_one_by_one():
+    fast, slow = _three_rows(), _three_rows()
+    for b in (fast, slow):
+        b.set_drafts("q0", [4, 4])
+    fast.mark_computed_rows(np.array([2, 0]), np.array([1, 3]))
+    slow.mark_computed("q2", 1)
+    slow.mark_computed("q0", 3)
+    assert_same_state(batch_state(slow), batch_state(fast))
+    assert fast.num_unresolved_drafts[0] == 2 and fast.num_computed_tokens[0] == 4 + 1
