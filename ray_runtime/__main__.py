@@ -32,6 +32,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement-strategy", default="PACK",
                    choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
     p.add_argument("--sync", action="store_true", help="plan one step at a time (no async scheduling)")
+    p.add_argument("--max-inflight-steps", type=int, default=None,
+                   help="async: steps in flight (at PP>1, micro-batches); default 2 at PP=1, PP at PP>1")
     p.add_argument("--trace-file", default=None, help="write a Chrome-trace / Perfetto JSON here")
     p.add_argument("--speculative-config", default=None,
                    help='JSON, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
@@ -69,7 +71,7 @@ def build_llm(args):
                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                max_model_len=args.max_model_len, placement_strategy=args.placement_strategy,
                async_scheduling=not args.sync, trace_file=args.trace_file,
-               speculative_config=spec)
+               max_inflight_steps=args.max_inflight_steps, speculative_config=spec)
 
 
 def default_sampling(args) -> SamplingParams:

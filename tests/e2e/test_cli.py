@@ -56,3 +56,14 @@ def test_cli_rejects_bad_speculative_config_with_exit_2(tiny_model, tmp_path):
         proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and field in proc.stderr, proc.stderr[-2000:]
+
+
+def test_cli_rejects_bad_max_inflight_steps_with_exit_2(tiny_model, tmp_path):
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"prompt_token_ids": [5, 6]}) + "\n")
+    cmd = [sys.executable, "-m", "ray_runtime", "generate", "--model", tiny_model("mistral"),
+           "-pp", "1", "--input", str(src), "--output", str(tmp_path / "o.jsonl"),
+           "--max-inflight-steps", "0"]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "max_inflight_steps" in proc.stderr, proc.stderr[-2000:]
