@@ -100,3 +100,23 @@ def test_launchers_name_what_does_not_fit():
     with pytest.raises(ValueError, match="slot_mapping"):
         write_kv_triton(torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8), torch.zeros(3, 1, 8),
                         torch.zeros(3, 1, 8), torch.zeros(2, dtype=torch.long))
+
+
+def test_empty_inputs_launch_nothing_and_return_empty():
+    """A stage may run a step with no rows of a kind (an empty decode set): every launcher
+    returns an empty result instead of launching a zero-size grid."""
+    from kernels.decode_attention_triton import paged_decode_attention
+
+    assert rms_norm_triton(torch.zeros(0, 8), torch.ones(8), 1e-6).shape == (0, 8)
+    out, s = rms_norm_triton(torch.zeros(0, 8), torch.ones(8), 1e-6, residual=torch.zeros(0, 8))
+    assert out.shape == s.shape == (0, 8)
+    assert norm_rope_triton_(torch.zeros(0, 2, 8), None, 1e-6, torch.zeros(0, 8),
+                             torch.zeros(0, 8)).shape == (0, 2, 8)
+    assert silu_and_mul_triton(torch.zeros(0, 8), torch.zeros(0, 8)).shape == (0, 8)
+    kc = torch.full((2, 4, 1, 16), 3.0)
+    write_kv_triton(kc, kc.clone(), torch.zeros(0, 1, 16), torch.zeros(0, 1, 16),
+                    torch.zeros(0, dtype=torch.long))
+    assert (kc == 3.0).all()
+    attn = paged_decode_attention(torch.zeros(0, 2, 16), kc, kc, torch.zeros(0, 2, dtype=torch.int32),
+                                  torch.zeros(0, dtype=torch.int32), 0.25)
+    assert attn.shape == (0, 2, 16)
