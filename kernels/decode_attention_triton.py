@@ -147,6 +147,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
     out = torch.empty_like(query)
     if rows == 0:
         return out
+    seq_lens = seq_lens.contiguous()  # read as seq_lens_ptr + row
     if num_splits is None:
         num_splits = default_num_splits(rows, num_kv_heads, block_tables.shape[1] * block_size,
                                         query.device)

@@ -161,11 +161,11 @@ def write_kv_triton(key_cache: torch.Tensor, value_cache: torch.Tensor, key: tor
         raise ValueError("write_kv: the caches must be contiguous")
     if slot_mapping.shape != (tokens,):
         raise ValueError(f"write_kv: slot_mapping {tuple(slot_mapping.shape)} must be [{tokens}]")
-    key = key.reshape(tokens, -1) if key.stride(1) != head_dim or key.stride(2) != 1 else key
-    value = value.reshape(tokens, -1) if value.stride(1) != head_dim or value.stride(2) != 1 else value
-    if key.stride(-1) != 1 or value.stride(-1) != 1:
-        key, value = key.contiguous(), value.contiguous()
     row = kv_heads * head_dim
+    # The kernel reads a token's row as one run: heads and head_dim must be packed.
+    key = key.reshape(tokens, row) if key.stride(1) != head_dim or key.stride(2) != 1 else key
+    value = value.reshape(tokens, row) if value.stride(1) != head_dim or value.stride(2) != 1 else value
+    slot_mapping = slot_mapping.contiguous()
     if tokens:
         _write_kv_kernel[(tokens,)](key, value, key_cache, value_cache, slot_mapping,
                                     key.stride(0), value.stride(0), ROW=row,

@@ -120,3 +120,35 @@ def test_empty_inputs_launch_nothing_and_return_empty():
     attn = paged_decode_attention(torch.zeros(0, 2, 16), kc, kc, torch.zeros(0, 2, dtype=torch.int32),
                                   torch.zeros(0, dtype=torch.int32), 0.25)
     assert attn.shape == (0, 2, 16)
+
+
+def test_write_kv_takes_strided_slots_and_empty_strided_keys():
+    """Found in review: a slot_mapping that is a strided view was read as if packed, and an
+    empty strided key could not be reshaped."""
+    g = _gen(6)
+    slots = torch.tensor([[3, 99], [0, 99], [17, 99], [9, 99]])[:, 0]  # 99: out of range
+    k, v = torch.randn(4, 2, 16, generator=g), torch.randn(4, 2, 16, generator=g)
+    kc, vc = torch.zeros(6, 4, 2, 16), torch.zeros(6, 4, 2, 16)
+    want_k, want_v = kc.clone(), vc.clone()
+    write_kv_ref(want_k, want_v, k, v, slots.contiguous())
+    write_kv_triton(kc, vc, k, v, slots)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    empty = torch.randn(0, 2, 32)[:, :, :16]
+    write_kv_triton(kc, vc, empty, empty, torch.zeros(0, dtype=torch.long))
+    assert torch.equal(kc, want_k)
+
+
+def test_decode_attention_takes_strided_seq_lens():
+    from kernels.decode_attention_triton import paged_decode_attention
+    from kernels.paged_attention import paged_attention_ref
+    from tests.kernels.paged_kv import random_paged_kv
+
+    g = _gen(7)
+    lens = [5, 40, 17]
+    tables, kc, vc = random_paged_kv(lens, num_kv_heads=1, head_dim=16, block_size=4, gen=g,
+                                     table_dtype=torch.int32)
+    q = torch.randn(3, 2, 16, generator=g)
+    strided = torch.tensor([[5, 0], [40, 0], [17, 0]], dtype=torch.int32)[:, 0]
+    got = paged_decode_attention(q, kc, vc, tables, strided, 0.25)
+    want = paged_attention_ref(q, kc, vc, tables.long(), lens, [0, 1, 2, 3], 0.25)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
