@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 
@@ -116,22 +117,25 @@ class DecodeLayout:
     all_decode: bool  # every request is a single decode token, in order
 
 
-def decode_layout(seq_lens: list[int], query_start_loc: list[int], device) -> DecodeLayout:
-    token_rows, table_rows, ctx_lens, long_chunks = [], [], [], []
-    for i, ctx in enumerate(seq_lens):
-        a, b = query_start_loc[i], query_start_loc[i + 1]
-        n = b - a
-        if n > SHORT_CHUNK:
-            long_chunks.append(i)
-            continue
-        token_rows.extend(range(a, b))
-        table_rows.extend([i] * n)
-        ctx_lens.extend(range(ctx - n + 1, ctx + 1))
-    all_decode = len(token_rows) == len(seq_lens) and not long_chunks
-    return DecodeLayout(torch.tensor(token_rows, device=device, dtype=torch.int64),
-                        torch.tensor(table_rows, device=device, dtype=torch.int64),
-                        torch.tensor(ctx_lens, device=device, dtype=torch.int64),
-                        long_chunks, all_decode)
+def decode_layout(seq_lens, query_start_loc, device) -> DecodeLayout:
+    """seq_lens [requests] and query_start_loc [requests + 1] (lists or arrays): every token
+    of a chunk of up to SHORT_CHUNK tokens becomes a decode row whose causal context ends at
+    its own position."""
+    ctx = np.asarray(seq_lens, np.int64)
+    qsl = np.asarray(query_start_loc, np.int64)
+    n = np.diff(qsl)
+    short = n <= SHORT_CHUNK
+    req = np.repeat(np.arange(len(n)), n)  # each token's request
+    position = np.arange(qsl[-1]) - qsl[:-1][req] + (ctx - n)[req]
+    decode = short[req]
+    token_rows = np.nonzero(decode)[0]
+    long_chunks = np.nonzero(~short)[0].tolist()
+    all_decode = len(token_rows) == len(n) and not long_chunks
+
+    def t(x):
+        return torch.from_numpy(np.ascontiguousarray(x, np.int64)).to(device)
+
+    return DecodeLayout(t(token_rows), t(req[decode]), t(position[decode] + 1), long_chunks, all_decode)
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,

@@ -50,7 +50,7 @@ def attention_metadata(block_table: np.ndarray, rows: np.ndarray, starts: np.nda
         slot_mapping=torch.from_numpy(slot_mapping).to(device),
         block_tables=torch.from_numpy(block_table[rows, :max_blocks].astype(np.int64)).to(device),
         seq_lens=ends.tolist(), query_start_loc=query_start_loc.tolist())
-    meta.layout = decode_layout(meta.seq_lens, meta.query_start_loc, device)
+    meta.layout = decode_layout(ends, query_start_loc, device)
     return meta, token_row, positions
 
 
