@@ -32,7 +32,7 @@ from stages.transport import StageTransport
 class StepInputs:
     token_ids: np.ndarray  # [num_tokens]
     rows: np.ndarray  # the batch row of each scheduled request
-    num_new: list[int]  # tokens each scheduled request runs (the plan's, or fewer if self-drafted)
+    num_new: np.ndarray  # tokens each scheduled request runs (the plan's, or fewer if self-drafted)
     meta: AttentionMetadata
     sample_req_ids: list[str]  # requests whose known prefix this step completes
     sample_token_index: list[int]  # their last token's index in the step's layout
@@ -167,7 +167,7 @@ class StageRunner:
         t_digest = time.perf_counter()
         digests = self.batch.digests(plan)
         digest_s = time.perf_counter() - t_digest
-        self.batch.mark_computed_rows(inputs.rows, np.asarray(inputs.num_new, np.int64))
+        self.batch.mark_computed_rows(inputs.rows, inputs.num_new)
         sampler_output = None
         if self.is_last:
             sampler_output = self._sample(plan.step_id, hidden, inputs)
@@ -238,7 +238,7 @@ class StageRunner:
                 token_ids[poisoned] = 0
         else:
             token_ids = np.empty(total, np.int64)
-        return StepInputs(token_ids=token_ids, rows=rows, meta=meta, num_new=num_new.tolist(),
+        return StepInputs(token_ids=token_ids, rows=rows, meta=meta, num_new=num_new,
                           sample_req_ids=[plan.scheduled_req_ids[i] for i in sample],
                           sample_token_index=[int(query_start_loc[i + 1]) - 1 for i in sample],
                           sample_output_index=[int(base[i] - b.num_prompt_tokens[rows[i]])
@@ -255,10 +255,12 @@ class StageRunner:
         index = torch.tensor([i for last, n in zip(inputs.sample_token_index, counts)
                               for i in range(last - n + 1, last + 1)], device=hidden.device)
         all_logits = self.model.compute_logits(hidden.index_select(0, index))
-        logits = all_logits.split(counts)
         params = [b.sampling[r] for r in rows]
         plain = [i for i, m in enumerate(inputs.sample_num_drafts) if m == 0]
         spec = [i for i, m in enumerate(inputs.sample_num_drafts) if m > 0]
+        wants_logprobs = any(sp.logprobs is not None for sp in params)
+        # Per-request views only where something reads them per request.
+        logits = all_logits.split(counts) if spec or wants_logprobs else None
         tokens: list[list[int]] = [[] for _ in rows]
         if plain:  # logprobs: below, for every emitted token at once
             plain_logits = all_logits if not spec else torch.cat([logits[i] for i in plain])
@@ -279,7 +281,7 @@ class StageRunner:
             step_id=step_id, req_ids=inputs.sample_req_ids,
             incarnations=[int(b.incarnation[r]) for r in rows], sampled_token_ids=tokens,
             num_draft_tokens=list(inputs.sample_num_drafts) if self.spec_config else None)
-        if any(sp.logprobs is not None for sp in params):
+        if wants_logprobs:
             self._attach_logprobs(out, logits, params)
         return out
 
