@@ -77,7 +77,7 @@ class DraftModelProposer:
             self.forget(r)
         if not live:
             return drafts
-        rows = np.array([batch.req_id_to_row[req_ids[i]] for i in live], np.int64)
+        rows = np.array([batch.req_id_to_slot[req_ids[i]] for i in live], np.int64)
         known = batch.num_tokens_known[rows].copy()
         # The drafts' KV goes up to position known + cap - 2: inside the driver's lookahead.
         reach = known + np.array([caps[i] for i in live]) - 1

@@ -1,18 +1,26 @@
-"""The rank-local persistent batch: one row per live request, kept across steps.
+"""The rank-local request state in stable slots: a request holds one slot (a row of every
+per-request array) from admission to removal; nothing is ever condensed or moved, and each
+step's batch is a view over slots (the runner's `rows`, batch index -> slot).
 
-Invariants (SEEDS.md 1 and 3), enforced by `check()`:
-  - a row holds its complete known prefix token_ids[row, :num_tokens_known]: the prompt plus
-    every committed output token; then its num_draft_tokens speculative drafts; positions
-    past those hold POISON, never stale tokens;
+The host arrays here are the source of truth; device copies (the runner's input staging,
+the sampler's last tokens) are refreshed from them or written by the device and folded back
+here when the step's result lands.
+
+Invariants (docs/invariants.md, 1 and 3), enforced by `check()`:
+  - a slot holds its complete known prefix token_ids[slot, :num_tokens_known]: the prompt
+    plus every committed output token; then its num_draft_tokens speculative drafts;
+    positions past those hold POISON, never stale tokens;
   - num_computed_tokens <= num_tokens_known, and num_tokens_known >= num_prompt_tokens;
   - num_tokens_known only grows, from its own value (see `append_tokens`), never from
     num_computed_tokens;
-  - every row move copies the whole known prefix, the drafts and every per-row field;
-  - adding a request initializes every per-row field, and bumps the row's generation.
-Requests are addressed by id; row indices never leave this rank.
+  - adding a request initializes every per-slot field and bumps the slot's generation, so
+    a late result for the slot's previous tenant is recognised and dropped;
+  - free slots and live slots partition [0, max_num_seqs).
+Requests are addressed by id; slot indices never leave this rank.
 """
 from __future__ import annotations
 
+import heapq
 from typing import Optional
 
 import numpy as np
@@ -25,7 +33,7 @@ POISON = -1  # token id stored past a row's known prefix; embedding it fails lou
 
 
 class InputBatch:
-    # Per-row numpy fields other than token_ids and block_table; `_move_row` copies them all.
+    # Per-slot numpy fields other than token_ids and block_table; `_clear_row` resets them all.
     _ROW_SCALARS = ("num_tokens_known", "num_prompt_tokens", "num_computed_tokens",
                     "num_blocks", "incarnation", "last_sampled_token", "num_conflicts",
                     "num_draft_tokens", "num_unresolved_drafts", "num_draft_computed")
@@ -36,7 +44,7 @@ class InputBatch:
         self.block_size = block_size
         max_blocks = -(-max_model_len // block_size)
         self.req_ids: list[Optional[str]] = [None] * max_num_seqs
-        self.req_id_to_row: dict[str, int] = {}
+        self.req_id_to_slot: dict[str, int] = {}
         self.token_ids = np.full((max_num_seqs, max_model_len), POISON, np.int64)
         self.num_tokens_known = np.zeros(max_num_seqs, np.int64)  # a.k.a. num_tokens_no_spec
         self.num_prompt_tokens = np.zeros(max_num_seqs, np.int64)
@@ -46,7 +54,7 @@ class InputBatch:
         self.incarnation = np.zeros(max_num_seqs, np.int64)  # the driver's admission counter
         self.last_sampled_token = np.full(max_num_seqs, POISON, np.int64)
         self.num_conflicts = np.zeros(max_num_seqs, np.int64)  # driver tokens that disagreed
-        self.generation = np.zeros(max_num_seqs, np.int64)  # the row's tenant count; not moved
+        self.generation = np.zeros(max_num_seqs, np.int64)  # the slot's tenant count
         # Speculative decoding. Drafts sit at token_ids[row, known:known + num_draft_tokens].
         # num_computed_tokens counts only certain tokens: the drafts a step ran are
         # "unresolved" until this rank learns how many were accepted (the last rank at once,
@@ -56,13 +64,14 @@ class InputBatch:
         self.num_unresolved_drafts = np.zeros(max_num_seqs, np.int64)
         self.num_draft_computed = np.zeros(max_num_seqs, np.int64)
         self.sampling: list[Optional[SamplingParams]] = [None] * max_num_seqs
+        self._free_slots = list(range(max_num_seqs))  # a min-heap
+        self.num_unknown_removals = 0  # removals of requests this rank never held
 
     # ---- the whole-step entry point ------------------------------------------------------
     def apply_plan(self, plan: StepPlan) -> None:
-        """Removals, condense, admissions, then deltas: one operation, no follow-up owed."""
+        """Removals, admissions, then deltas: one operation, no follow-up owed."""
         for req_id in plan.removed_req_ids:
             self.remove(req_id)
-        self.condense()
         for new in plan.new_reqs:
             self.add(new)
         for delta in plan.cached_reqs:
@@ -71,17 +80,17 @@ class InputBatch:
     # ---- rows ----------------------------------------------------------------------------
     @property
     def num_reqs(self) -> int:
-        return len(self.req_id_to_row)
+        return len(self.req_id_to_slot)
 
     def add(self, new: NewRequestData) -> int:
-        if new.req_id in self.req_id_to_row:
+        if new.req_id in self.req_id_to_slot:
             raise ValueError(f"request {new.req_id!r} is already in the batch")
         n = len(new.token_ids)
         if n > self.max_model_len:
             raise ValueError(f"request {new.req_id!r}: {n} tokens > max_model_len {self.max_model_len}")
-        row = self._first_free_row()
+        row = self._take_free_slot()
         self.req_ids[row] = new.req_id
-        self.req_id_to_row[new.req_id] = row
+        self.req_id_to_slot[new.req_id] = row
         self.token_ids[row, :n] = new.token_ids
         self.token_ids[row, n:] = POISON
         self.num_tokens_known[row] = n
@@ -91,10 +100,10 @@ class InputBatch:
         self.num_blocks[row] = 0
         self._append_blocks(row, new.block_ids)
         self.incarnation[row] = new.incarnation
-        # The previous tenant's last token must never feed this one (SEEDS.md 3).
+        # The previous tenant's last token must never feed this one (docs/invariants.md, 3).
         self.last_sampled_token[row] = new.token_ids[-1] if n else POISON
         self.num_conflicts[row] = 0
-        self.num_draft_tokens[row] = 0  # the previous tenant's drafts are gone (SEEDS.md 3)
+        self.num_draft_tokens[row] = 0  # the previous tenant's drafts are gone (docs/invariants.md, 3)
         self.num_unresolved_drafts[row] = 0
         self.num_draft_computed[row] = 0
         self.sampling[row] = new.sampling
@@ -102,7 +111,7 @@ class InputBatch:
         return row
 
     def update(self, delta: CachedRequestData) -> None:
-        row = self.req_id_to_row[delta.req_id]
+        row = self.req_id_to_slot[delta.req_id]
         have = int(self.num_blocks[row])
         start = have if delta.block_start is None else delta.block_start
         if start > have:  # refused before anything changes
@@ -141,7 +150,7 @@ class InputBatch:
         driver's canonical values, and each disagreement is counted for the digest."""
         if not tokens:
             return
-        row = self.req_id_to_row[req_id]
+        row = self.req_id_to_slot[req_id]
         known = int(self.num_tokens_known[row])
         if start > known:
             raise AssertionError(f"request {req_id!r}: driver tokens start at {start} but the "
@@ -158,7 +167,7 @@ class InputBatch:
         if end > known:  # the known prefix grows over where drafts were: they are spent
             if self.num_draft_tokens[row]:
                 self._clear_drafts(row)
-            # Grows from its own value only: never derived from num_computed_tokens (SEEDS.md 1).
+            # Grows from its own value only: never derived from num_computed_tokens (docs/invariants.md, 1).
             self.num_tokens_known[row] = known = end
         if len(tokens) == 1:
             self.token_ids[row, start] = tokens[0]
@@ -168,13 +177,13 @@ class InputBatch:
 
     def append_tokens(self, req_id: str, new_token_ids: list[int]) -> None:
         """Extend the known prefix at its end (the last rank's own samples)."""
-        row = self.req_id_to_row[req_id]
+        row = self.req_id_to_slot[req_id]
         self.write_tokens(req_id, int(self.num_tokens_known[row]), new_token_ids)
 
     def set_drafts(self, req_id: str, drafts: list[int]) -> None:
         """Make `drafts` the row's drafts. Where the row held drafts already (the last rank
         proposed them), a different value in the overlap counts as a conflict."""
-        row = self.req_id_to_row[req_id]
+        row = self.req_id_to_slot[req_id]
         held = int(self.num_draft_tokens[row])
         if not drafts and not held:
             return
@@ -191,13 +200,13 @@ class InputBatch:
         self.num_draft_tokens[row] = len(drafts)
 
     def drafts(self, req_id: str) -> list[int]:
-        row = self.req_id_to_row[req_id]
+        row = self.req_id_to_slot[req_id]
         known = int(self.num_tokens_known[row])
         return self.token_ids[row, known:known + int(self.num_draft_tokens[row])].tolist()
 
     def mark_computed(self, req_id: str, num_tokens: int) -> None:
         """A step ran num_tokens of the request: its drafts among them stay unresolved."""
-        self.mark_computed_rows(np.array([self.req_id_to_row[req_id]]), np.array([num_tokens]))
+        self.mark_computed_rows(np.array([self.req_id_to_slot[req_id]]), np.array([num_tokens]))
 
     def mark_computed_rows(self, rows: np.ndarray, num_tokens: np.ndarray) -> None:
         """mark_computed for a step's rows at once (rows distinct)."""
@@ -209,7 +218,7 @@ class InputBatch:
         """The last rank's own samples, request by request: append_tokens, then
         resolve_drafts with all but the last sample as accepted drafts. The common step (one
         token per request, no drafts in any row, room in every row) runs as array ops."""
-        rows = np.array([self.req_id_to_row[r] for r in req_ids], np.int64)
+        rows = np.array([self.req_id_to_slot[r] for r in req_ids], np.int64)
         known = self.num_tokens_known[rows]
         if all(len(t) == 1 for t in samples) and not self.num_draft_tokens[rows].any() \
                 and not self.num_unresolved_drafts[rows].any() and (known < self.max_model_len).all():
@@ -224,31 +233,21 @@ class InputBatch:
 
     def resolve_drafts(self, req_id: str, num_accepted: int) -> None:
         """The last rank's verdict: the first num_accepted drafts become computed tokens."""
-        row = self.req_id_to_row[req_id]
+        row = self.req_id_to_slot[req_id]
         assert num_accepted <= self.num_unresolved_drafts[row], (req_id, num_accepted)
         self.num_computed_tokens[row] += num_accepted
         self.num_unresolved_drafts[row] = 0
 
-    def remove(self, req_id: str) -> None:
-        """Leave a hole; `apply_plan` condenses right after."""
-        row = self.req_id_to_row.pop(req_id)
-        self._clear_row(row)
-
-    def condense(self) -> None:
-        """Move the last live rows into the holes so that rows [0, num_reqs) are live."""
-        live = sorted(self.req_id_to_row.values())
-        n = len(live)
-        holes = [r for r in range(n) if self.req_ids[r] is None]
-        tail = [r for r in reversed(live) if r >= n]
-        for hole, src in zip(holes, tail):
-            self._move_row(src, hole)
-
-    def swap(self, a: int, b: int) -> None:
-        if a == b:
-            return
-        snap_a, snap_b = self._snapshot(a), self._snapshot(b)
-        self._restore(a, snap_b)
-        self._restore(b, snap_a)
+    def remove(self, req_id: str) -> bool:
+        """Free the request's slot. A request this rank does not hold (the driver aborted
+        it before any plan reached the rank) is a counted no-op, not a crash."""
+        slot = self.req_id_to_slot.pop(req_id, None)
+        if slot is None:
+            self.num_unknown_removals += 1
+            return False
+        self._clear_row(slot)
+        heapq.heappush(self._free_slots, slot)
+        return True
 
     def digests(self, plan: StepPlan) -> list[RowDigest]:
         """Fingerprints of every row the plan touched, over the prefix the driver knows of."""
@@ -256,9 +255,9 @@ class InputBatch:
         for d in plan.cached_reqs:
             driver_known[d.req_id] = d.token_start + len(d.new_token_ids)
             if d.self_drafted:  # the driver checks these against its corrected view
-                driver_known[d.req_id] = int(self.num_tokens_known[self.req_id_to_row[d.req_id]])
+                driver_known[d.req_id] = int(self.num_tokens_known[self.req_id_to_slot[d.req_id]])
         req_ids = [r for r in plan.scheduled_req_ids if r in driver_known]
-        rows = np.array([self.req_id_to_row[r] for r in req_ids], np.int64)
+        rows = np.array([self.req_id_to_slot[r] for r in req_ids], np.int64)
         lengths = np.array([driver_known[r] for r in req_ids], np.int64)
         drafts = self.num_draft_tokens[rows] if len(rows) else np.zeros(0, np.int64)
         # Drafts follow the known prefix, so one hash over both covers them (issue 5).
@@ -271,11 +270,10 @@ class InputBatch:
                 for r, row, n, h, nd in zip(req_ids, rows, lengths, hashes, drafts)]
 
     # ---- internals -----------------------------------------------------------------------
-    def _first_free_row(self) -> int:
-        for row, rid in enumerate(self.req_ids):
-            if rid is None:
-                return row
-        raise RuntimeError(f"InputBatch full: max_num_seqs={self.max_num_seqs}")
+    def _take_free_slot(self) -> int:
+        if not self._free_slots:
+            raise RuntimeError(f"InputBatch full: max_num_seqs={self.max_num_seqs}")
+        return heapq.heappop(self._free_slots)  # lowest first: live slots stay dense
 
     def _append_blocks(self, row: int, block_ids: list[int]) -> None:
         start = int(self.num_blocks[row])
@@ -286,33 +284,6 @@ class InputBatch:
         known = int(self.num_tokens_known[row])
         self.token_ids[row, known:known + int(self.num_draft_tokens[row])] = POISON
         self.num_draft_tokens[row] = 0
-
-    def _move_row(self, src: int, dst: int) -> None:
-        assert self.req_ids[dst] is None and self.req_ids[src] is not None
-        self._restore(dst, self._snapshot(src))
-        self._clear_row(src)
-
-    def _snapshot(self, row: int) -> dict:
-        held = int(self.num_tokens_known[row] + self.num_draft_tokens[row])
-        snap = {name: getattr(self, name)[row].copy() for name in self._ROW_SCALARS}
-        snap["token_prefix"] = self.token_ids[row, :held].copy()  # known prefix and drafts
-        snap["block_table"] = self.block_table[row].copy()
-        snap["req_id"] = self.req_ids[row]
-        snap["sampling"] = self.sampling[row]
-        return snap
-
-    def _restore(self, row: int, snap: dict) -> None:
-        for name in self._ROW_SCALARS:
-            getattr(self, name)[row] = snap[name]
-        known = len(snap["token_prefix"])
-        self.token_ids[row, :known] = snap["token_prefix"]
-        self.token_ids[row, known:] = POISON
-        self.block_table[row] = snap["block_table"]
-        self.req_ids[row] = snap["req_id"]
-        self.sampling[row] = snap["sampling"]
-        if snap["req_id"] is not None:
-            self.req_id_to_row[snap["req_id"]] = row
-            self.generation[row] += 1  # a request moved in: a new tenant of this row
 
     def _clear_row(self, row: int) -> None:
         self.req_ids[row] = None
@@ -325,8 +296,12 @@ class InputBatch:
 
     # ---- invariants ----------------------------------------------------------------------
     def check(self) -> None:
-        assert len(self.req_id_to_row) == sum(r is not None for r in self.req_ids)
-        for req_id, row in self.req_id_to_row.items():
+        assert len(self.req_id_to_slot) == sum(r is not None for r in self.req_ids)
+        free = sorted(self._free_slots)
+        assert len(set(free)) == len(free), "a slot is free twice"
+        assert sorted(free + list(self.req_id_to_slot.values())) == list(range(self.max_num_seqs)), \
+            "free and live slots do not partition the batch"
+        for req_id, row in self.req_id_to_slot.items():
             assert self.req_ids[row] == req_id, f"row map broken for {req_id!r}"
         for row, req_id in enumerate(self.req_ids):
             known = int(self.num_tokens_known[row])

@@ -196,14 +196,14 @@ class StageRunner:
         num_new = np.array(plan.num_scheduled_tokens, np.int64)
         for d in plan.cached_reqs:
             if d.self_drafted:  # PP=1 async: this rank's own count, tokens and drafts
-                row = b.req_id_to_row[d.req_id]
+                row = b.req_id_to_slot[d.req_id]
                 nd = int(b.num_draft_tokens[row])
                 i = plan.scheduled_req_ids.index(d.req_id)
                 if 1 + nd > num_new[i]:
                     raise AssertionError(f"request {d.req_id!r}: {nd} drafts but {num_new[i]} tokens planned")
                 num_new[i] = 1 + nd
                 view[d.req_id] = (int(b.num_computed_tokens[row]), int(b.num_tokens_known[row]), nd)
-        rows = np.array([b.req_id_to_row[r] for r in plan.scheduled_req_ids], np.int64)
+        rows = np.array([b.req_id_to_slot[r] for r in plan.scheduled_req_ids], np.int64)
         starts = np.array([view[r][0] for r in plan.scheduled_req_ids], np.int64)
         driver_known = np.array([view[r][1] for r in plan.scheduled_req_ids], np.int64)
         drafts = np.array([view[r][2] for r in plan.scheduled_req_ids], np.int64)
@@ -247,7 +247,7 @@ class StageRunner:
 
     def _sample(self, step_id: int, hidden: torch.Tensor, inputs: StepInputs) -> SamplerOutput:
         b = self.batch
-        rows = [b.req_id_to_row[r] for r in inputs.sample_req_ids]
+        rows = [b.req_id_to_slot[r] for r in inputs.sample_req_ids]
         if not rows:
             return SamplerOutput(step_id=step_id, req_ids=[], incarnations=[], sampled_token_ids=[])
         # Each request's last 1 + m positions: its last known token and its m drafts.
@@ -304,7 +304,7 @@ class StageRunner:
         """Drafts for each request's next step, placed in its row (the first stage reads
         them there at PP=1; the driver forwards them at PP>1)."""
         b, spec = self.batch, self.spec_config
-        rows = [b.req_id_to_row[r] for r in req_ids]
+        rows = [b.req_id_to_slot[r] for r in req_ids]
         known = [int(b.num_tokens_known[row]) for row in rows]
         first_output = [n - int(b.num_prompt_tokens[row]) for n, row in zip(known, rows)]
         # Never draft past max_tokens (the step emits at most m + 1) or the context.

@@ -16,7 +16,7 @@ class _Once:
     def _target(self, batch: InputBatch, plan):
         """A request in mid-decode or mid-prefill that this plan runs, with some history."""
         for d in plan.cached_reqs:
-            row = batch.req_id_to_row[d.req_id]
+            row = batch.req_id_to_slot[d.req_id]
             if batch.num_tokens_known[row] > 8 and d.num_computed_tokens > 4:
                 return d.req_id, row
         return None
@@ -52,5 +52,5 @@ class PlantSeed1Bug:
 
     def __call__(self, batch: InputBatch, plan) -> None:
         for d in plan.cached_reqs:
-            row = batch.req_id_to_row[d.req_id]
+            row = batch.req_id_to_slot[d.req_id]
             batch.num_tokens_known[row] = d.num_computed_tokens + len(d.new_token_ids)

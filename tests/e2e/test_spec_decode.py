@@ -1,6 +1,6 @@
 """Speculative decoding through the whole Ray pipeline: greedy outputs equal HF's with and
 without drafts at every PP depth, sync and async, under the stress that hides the seeds' bugs;
-and the acceptance counts do not depend on the mode (SEEDS.md 5's symptom)."""
+and the acceptance counts do not depend on the mode (invariant 5 (docs/invariants.md)'s symptom)."""
 import pytest
 
 from ray_runtime import LLM, SamplingParams

@@ -47,19 +47,19 @@ def run(seed, budget=64, nblocks=512, mml=256, bs=2, nreq=6, eos=True, maxseqs=4
         for d in plan.cached_reqs:
             if d.self_drafted:
                 selfd+=1
-                row=b.req_id_to_row[d.req_id]; nd=int(b.num_draft_tokens[row]); i=plan.scheduled_req_ids.index(d.req_id)
+                row=b.req_id_to_slot[d.req_id]; nd=int(b.num_draft_tokens[row]); i=plan.scheduled_req_ids.index(d.req_id)
                 assert 1+nd<=num_new[i]; num_new[i]=1+nd
                 view[d.req_id]=(int(b.num_computed_tokens[row]),int(b.num_tokens_known[row]),nd)
         dig=b.digests(plan)
         samp=[]
         for r,n in zip(plan.scheduled_req_ids,num_new):
-            st,dk,nd=view[r]; row=b.req_id_to_row[r]; end=st+n
+            st,dk,nd=view[r]; row=b.req_id_to_slot[r]; end=st+n
             assert end<=b.num_blocks[row]*bs, ("KV past blocks", r, end, b.num_blocks[row])
             if end>=dk: samp.append(r)
         for r,n in zip(plan.scheduled_req_ids,num_new): b.mark_computed(r,n)
         ids=[];incs=[];toks=[];nds=[];props=[]
         for r in samp:
-            row=b.req_id_to_row[r]; drafts=b.drafts(r)
+            row=b.req_id_to_slot[r]; drafts=b.drafts(r)
             o=int(b.num_tokens_known[row]-b.num_prompt_tokens[row])
             acc=0
             while acc<len(drafts) and drafts[acc]==truth(r,o+acc,eos_at): acc+=1

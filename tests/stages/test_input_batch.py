@@ -1,7 +1,8 @@
-"""InputBatch against a plain model, slot reuse, and the SEEDS.md 1 scenario with a planted bug.
+"""InputBatch against a plain model, slot reuse, and the invariant-1 scenario with a planted bug.
 
-No Ray, no torch: InputBatch is pure numpy. Capacities are small on purpose (6 rows, 64 tokens,
-blocks of 4) so that holes, full batches and row moves happen in almost every example.
+No Ray, no torch: InputBatch is pure numpy. Capacities are small on purpose (6 slots, 64
+tokens, blocks of 4) so that free slots, full batches and slot reuse happen in almost every
+example. Slots are stable: a request never leaves the slot it was admitted into.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ class ReqModel:
 def batch_state(b: InputBatch):
     """Everything in the batch, copied, for 'a rejected call changed nothing' checks."""
     arrays = {name: v.copy() for name, v in vars(b).items() if isinstance(v, np.ndarray)}
-    return arrays, list(b.req_ids), dict(b.req_id_to_row), [id(s) for s in b.sampling]
+    return arrays, list(b.req_ids), dict(b.req_id_to_slot), [id(s) for s in b.sampling]
 
 
 def assert_same_state(before, after) -> None:
@@ -66,7 +67,7 @@ def assert_hole_clear(b: InputBatch, row: int) -> None:
 
 
 def assert_row_matches(b: InputBatch, req_id: str, m: ReqModel) -> None:
-    row = b.req_id_to_row[req_id]
+    row = b.req_id_to_slot[req_id]
     where = f"{req_id!r} (row {row})"
     known = len(m.tokens)
     assert b.req_ids[row] == req_id
@@ -85,11 +86,11 @@ def assert_row_matches(b: InputBatch, req_id: str, m: ReqModel) -> None:
 
 
 def assert_matches_model(b: InputBatch, model: dict[str, ReqModel]) -> None:
-    assert set(b.req_id_to_row) == set(model)
+    assert set(b.req_id_to_slot) == set(model)
     assert b.num_reqs == len(model)
     for req_id, m in model.items():
         assert_row_matches(b, req_id, m)
-    live_rows = set(b.req_id_to_row.values())
+    live_rows = set(b.req_id_to_slot.values())
     assert len(live_rows) == len(model)
     for row in range(b.max_num_seqs):
         if row not in live_rows:
@@ -211,29 +212,16 @@ class InputBatchMachine(RuleBasedStateMachine):
         del self.model[req_id]
         del self.rows[req_id]
 
-    @rule()
-    def condense(self):
-        n = len(self.model)
-        before = dict(self.rows)
-        self.batch.condense()
-        after = dict(self.batch.req_id_to_row)
-        assert sorted(after.values()) == list(range(n)), f"rows not [0, {n}) after condense"
-        for req_id, row in before.items():
-            if row < n:
-                assert after[req_id] == row, f"{req_id!r} moved although it was in place"
-        self.rows = after
-
-    @precondition(lambda self: self.model)
     @rule(data=st.data())
-    def swap(self, data):
-        # arbitrary rows, live or hole, with live rows favoured (most rows are holes otherwise)
-        any_row = st.integers(0, MAX_SEQS - 1)
-        row = st.one_of(st.sampled_from(sorted(self.rows.values())), any_row) \
-            if self.rows else any_row
-        a, b = data.draw(row, label="a"), data.draw(row, label="b")
-        self.batch.swap(a, b)
-        swapped = {a: b, b: a}
-        self.rows = {r: swapped.get(row, row) for r, row in self.rows.items()}
+    def remove_unknown(self, data):
+        """Removing a request the rank does not hold (aborted before it reached the rank):
+        a counted no-op, never a crash."""
+        absent = [r for r in REQ_POOL if r not in self.model]
+        if not absent:
+            return
+        before = self.batch.num_unknown_removals
+        assert self.batch.remove(data.draw(st.sampled_from(absent))) is False
+        assert self.batch.num_unknown_removals == before + 1
 
     @precondition(lambda self: self._any_live(lambda m: len(m.tokens) < MAX_LEN))
     @rule(data=st.data())
@@ -329,7 +317,7 @@ class InputBatchMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def apply_plan(self, data):
-        """A whole driver step: removals, condense, admissions into the freed rows, deltas."""
+        """A whole driver step: removals, admissions into the lowest free slots, deltas."""
         removed = data.draw(st.lists(st.sampled_from(sorted(self.model)), unique=True,
                                      max_size=3)) if self.model else []
         for req_id in removed:
@@ -346,13 +334,14 @@ class InputBatchMachine(RuleBasedStateMachine):
         plan = StepPlan(step_id=0, removed_req_ids=removed, new_reqs=new_reqs,
                         cached_reqs=cached, scheduled_req_ids=[], num_scheduled_tokens=[])
         gen = self.batch.generation.copy()
-        survivors = len(self.model)
+        before = dict(self.batch.req_id_to_slot)
         self.batch.apply_plan(plan)
-        # survivors were condensed into [0, survivors); admissions fill the next rows
-        rows = self.batch.req_id_to_row
-        assert sorted(rows[r] for r in self.model) == list(range(survivors))
-        assert sorted(rows[n.req_id] for n in new_reqs) == \
-            list(range(survivors, survivors + len(new_reqs)))
+        rows = self.batch.req_id_to_slot
+        for r in self.model:  # survivors never move
+            assert rows[r] == before[r], f"{r!r} moved from slot {before[r]} to {rows[r]}"
+        freed = sorted(set(range(MAX_SEQS)) - {before[r] for r in self.model})
+        assert sorted(rows[n.req_id] for n in new_reqs) == freed[:len(new_reqs)], \
+            "admissions did not take the lowest free slots"
         for delta in cached:
             self._apply_delta_to_model(delta)
         for new in new_reqs:
@@ -364,14 +353,13 @@ class InputBatchMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         self.batch.check()
-        assert self.batch.req_id_to_row == self.rows
+        assert self.batch.req_id_to_slot == self.rows
         assert_matches_model(self.batch, self.model)
         self._check_generations()
 
     def _check_generations(self):
-        """A row's generation counts its tenants: it never goes back, grows whenever a
-        request arrives in the row (added, or moved in by condense / swap), and stays put
-        otherwise; it never travels with a request (SEEDS.md 3)."""
+        """A slot's generation counts its tenants: it never goes back, grows whenever a
+        request is admitted into the slot, and stays put otherwise (invariant 3)."""
         gen, tenants = self.batch.generation, self.batch.req_ids
         for row in range(MAX_SEQS):
             old, new = int(self.prev_generation[row]), int(gen[row])
@@ -390,7 +378,7 @@ InputBatchMachine.TestCase.settings = settings(
 TestInputBatchMachine = InputBatchMachine.TestCase
 
 
-# ---- 2. slot reuse (SEEDS.md 3) ------------------------------------------------------------
+# ---- 2. slot reuse (docs/invariants.md, 3) ------------------------------------------------------------
 def _request_a() -> NewRequestData:
     return NewRequestData(req_id="A", incarnation=1, token_ids=list(range(100, 120)),
                           num_prompt_tokens=20, num_computed_tokens=0,
@@ -406,7 +394,7 @@ def _request_b() -> NewRequestData:
 
 def _assert_row_is_b(b: InputBatch, row: int, new_b: NewRequestData, gen_a: int) -> None:
     n = len(new_b.token_ids)
-    assert b.req_id_to_row == {"B": row} and b.req_ids[row] == "B"
+    assert b.req_id_to_slot == {"B": row} and b.req_ids[row] == "B"
     assert b.token_ids[row, :n].tolist() == new_b.token_ids
     assert (b.token_ids[row, n:] == POISON).all(), "A's tokens survived past B's prefix"
     assert b.num_tokens_known[row] == n
@@ -450,16 +438,16 @@ def test_slot_reuse_through_one_plan():
                               new_block_ids=[6], num_computed_tokens=20)
     b.apply_plan(StepPlan(1, [], [], [delta], ["A"], [1]))
     b.mark_computed("A", 1)
-    row = b.req_id_to_row["A"]
+    row = b.req_id_to_slot["A"]
     gen_a = int(b.generation[row])
     assert b.last_sampled_token[row] == 500
     new_b = _request_b()
     b.apply_plan(StepPlan(2, ["A"], [new_b], [], ["B"], [1]))
-    assert b.req_id_to_row["B"] == row
+    assert b.req_id_to_slot["B"] == row
     _assert_row_is_b(b, row, new_b, gen_a)
 
 
-# ---- 3 and 4. SEEDS.md 1: a row moves during chunked prefill -------------------------------
+# ---- 3 and 4. invariant 1: chunked prefill while other requests finish around it --------
 @dataclass
 class _DriverReq:
     req_id: str
@@ -479,12 +467,13 @@ class _DriverReq:
 def run_chunked_prefill_scenario(batch_cls=InputBatch, *, use_check: bool = True,
                                  compare_counters: bool = True) -> int:
     """A driver as the scheduler runs it (sync: one plan, forward, commit), against one rank's
-    batch. Long request L (50-token prompt, chunks of 8) sits in the last row while short
-    requests in earlier rows decode and finish at staggered steps, so condense moves L twice
-    while it is still in chunked prefill. After every plan and every mark_computed the batch
-    is checked (check(), if use_check) and compared with the driver's truth: the row's first
-    len(prompt) tokens are the prompt, then (if compare_counters) the counters. Returns how
-    many times L moved during its prefill."""
+    batch. Long request L (50-token prompt, chunks of 8) sits in the last slot while short
+    requests in earlier slots decode and finish at staggered steps: the scenario in which a
+    condensing batch moved L during its chunked prefill (vLLM's token loss). After every plan
+    and every mark_computed the batch is checked (check(), if use_check) and compared with
+    the driver's truth: the slot's first len(prompt) tokens are the prompt, then (if
+    compare_counters) the counters. Returns how many times L changed slot during its
+    prefill (with stable slots: never)."""
     rng = np.random.default_rng(0)
     batch = batch_cls(max_num_seqs=6, max_model_len=64, block_size=4)
     reqs = [
@@ -504,7 +493,7 @@ def run_chunked_prefill_scenario(batch_cls=InputBatch, *, use_check: bool = True
         if use_check:
             batch.check()
         for r in running:
-            row = batch.req_id_to_row[r.req_id]
+            row = batch.req_id_to_slot[r.req_id]
             n = len(r.prompt)
             assert batch.token_ids[row, :n].tolist() == r.prompt, \
                 f"{when}: {r.req_id!r} row {row}: prompt tail lost " \
@@ -512,7 +501,7 @@ def run_chunked_prefill_scenario(batch_cls=InputBatch, *, use_check: bool = True
         if not compare_counters:
             return
         for r in running:
-            row = batch.req_id_to_row[r.req_id]
+            row = batch.req_id_to_slot[r.req_id]
             assert batch.num_tokens_known[row] == r.sent, \
                 f"{when}: {r.req_id!r}: known {int(batch.num_tokens_known[row])} != {r.sent}"
             assert batch.token_ids[row, :r.sent].tolist() == r.tokens[:r.sent]
@@ -545,7 +534,7 @@ def run_chunked_prefill_scenario(batch_cls=InputBatch, *, use_check: bool = True
         batch.apply_plan(plan)
         verify(f"step {step} after apply_plan")
 
-        row = batch.req_id_to_row[long_req.req_id]
+        row = batch.req_id_to_slot[long_req.req_id]
         if last_row is not None and row != last_row and long_req.computed < len(long_req.prompt):
             moves_in_prefill += 1
             # the moved row holds the whole prompt and its counter stayed at the prompt length
@@ -573,17 +562,17 @@ def run_chunked_prefill_scenario(batch_cls=InputBatch, *, use_check: bool = True
     return moves_in_prefill
 
 
-def test_row_moves_during_chunked_prefill_keep_the_prompt():
-    assert run_chunked_prefill_scenario(InputBatch) == 2
+def test_slots_stay_put_during_chunked_prefill_and_keep_the_prompt():
+    assert run_chunked_prefill_scenario(InputBatch) == 0
 
 
 class BuggyInputBatch(InputBatch):
-    """vLLM's bug (SEEDS.md 1): on update, the known-prefix counter is rebuilt from
+    """vLLM's bug (docs/invariants.md, 1): on update, the known-prefix counter is rebuilt from
     num_computed_tokens instead of growing from its own value."""
 
     def update(self, delta: CachedRequestData) -> None:
         super().update(delta)
-        row = self.req_id_to_row[delta.req_id]
+        row = self.req_id_to_slot[delta.req_id]
         self.num_tokens_known[row] = delta.num_computed_tokens + len(delta.new_token_ids)
 
 
@@ -592,15 +581,8 @@ def test_planted_counter_bug_is_caught_by_check():
         run_chunked_prefill_scenario(BuggyInputBatch)
 
 
-def test_planted_counter_bug_loses_the_prompt_tail_on_a_move():
-    """Without check() and the counter comparison, the same scenario sees what vLLM's first
-    rank embedded: after the next condense, the moved row's prompt tail is POISON."""
-    with pytest.raises(AssertionError, match="step 2 after apply_plan: 'L' row 0: prompt tail"):
-        run_chunked_prefill_scenario(BuggyInputBatch, use_check=False, compare_counters=False)
-
-
 def test_content_only_detector_passes_on_the_real_class():
-    assert run_chunked_prefill_scenario(InputBatch, use_check=False, compare_counters=False) == 2
+    assert run_chunked_prefill_scenario(InputBatch, use_check=False, compare_counters=False) == 0
 
 
 def test_planted_bug_is_harmless_outside_chunked_prefill():
@@ -615,44 +597,30 @@ def test_planted_bug_is_harmless_outside_chunked_prefill():
     assert b.num_tokens_known[0] == 4
 
 
-# ---- the per-row generation counter stays with the row ---------------------------------
-def test_generation_is_per_row():
-    """Found by this file: _snapshot/_restore used to move `generation` with the request,
-    so after a condense a row's generation went back (3 -> 1) and repeated for its next
-    tenant ([1, 2, 3, 2]): a late result keyed by (row, generation) would match the wrong
-    request. Each tenant of a row must get a fresh, larger generation."""
+# ---- the per-slot generation counter --------------------------------------------------
+def test_generation_grows_with_each_tenant_and_only_then():
+    """Each tenant of a slot gets a fresh, larger generation, so a late result keyed by
+    (slot, generation) never matches the slot's next request; other slots keep theirs."""
     b = InputBatch(4, 64, 4)
 
     def new(req_id: str) -> NewRequestData:
         return NewRequestData(req_id, 1, [5, 6], 2, 0, [1], SamplingParams())
 
-    gens_row0 = []
+    gens_slot0 = []
     b.add(new("a1"))
-    gens_row0.append(int(b.generation[0]))
-    b.add(new("b"))  # row 1
-    for req_id in ("a2", "a3"):  # row 0's 2nd and 3rd tenants
+    gens_slot0.append(int(b.generation[0]))
+    b.add(new("b"))  # slot 1
+    gen_slot1 = int(b.generation[1])
+    for req_id in ("a2", "a3", "a4"):  # slot 0's next tenants
         b.remove(b.req_ids[0])
-        assert b.add(new(req_id)) == 0
-        gens_row0.append(int(b.generation[0]))
-    gen_row1 = int(b.generation[1])
-    b.remove("a3")
-    b.condense()  # b moves from row 1 into row 0: row 0's 4th tenant
-    assert b.req_id_to_row == {"b": 0}
-    gens_row0.append(int(b.generation[0]))
-    assert b.generation[1] == gen_row1, "the vacated row's generation changed"
-    b.remove("b")
-    assert b.add(new("c")) == 0  # row 0's 5th tenant
-    gens_row0.append(int(b.generation[0]))
-    assert all(x < y for x, y in zip(gens_row0, gens_row0[1:])), \
-        f"row 0 generations {gens_row0} do not grow with each tenant"
-
-    b.add(new("d"))  # row 1
-    g0, g1, g2 = (int(g) for g in b.generation[:3])
-    b.swap(0, 1)  # two live rows: both get a new tenant
-    assert b.generation[0] > g0 and b.generation[1] > g1
-    g0, g1 = int(b.generation[0]), int(b.generation[1])
-    b.swap(1, 2)  # d into hole row 2: row 2 gets a tenant, row 1 becomes a hole
-    assert b.generation[2] > g2 and b.generation[1] == g1 and b.generation[0] == g0
+        assert b.add(new(req_id)) == 0, "the lowest free slot is taken first"
+        gens_slot0.append(int(b.generation[0]))
+    assert all(x < y for x, y in zip(gens_slot0, gens_slot0[1:])), \
+        f"slot 0 generations {gens_slot0} do not grow with each tenant"
+    assert b.generation[1] == gen_slot1 and b.req_id_to_slot["b"] == 1, "slot 1 was touched"
+    b.remove("a4")
+    assert b.req_id_to_slot == {"b": 1}, "b moved when slot 0 was freed"
+    b.check()
 
 
 _GREEDY = SamplingParams(temperature=0.0)
