@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -91,3 +92,72 @@ def gpu_ray_env() -> dict:
     """The variables every Ray worker needs on the multi-GPU machines (NVLink multicast off)."""
     return {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                        "NVSHMEM_DISABLE_NVLS", "PYTHONPATH") if k in os.environ}
+
+
+# ---- the memory-bandwidth roofline (roofline.py, throughput.py, latency.py) -------------------
+
+def mem_bandwidth(device: str = "cuda", gib: float = 2.0, reps: int = 10) -> float:
+    """Bytes/s of a large copy on `device`, read + write counted (STREAM "copy"): the ceiling a
+    memory-bound decode step is held to. CUDA: device-to-device, timed with CUDA events; CPU:
+    a host copy (informational: CPU decode is rarely bandwidth-bound)."""
+    import torch
+
+    src = torch.empty(int(gib * (1 << 30)), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch: page faults / lazy allocation out of the timing
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
+        secs = start.elapsed_time(end) / 1e3
+    else:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dst.copy_(src)
+        secs = time.perf_counter() - t0
+    n = src.numel()
+    del src, dst
+    if device == "cuda":
+        torch.cuda.empty_cache()  # give the copy's 2x gib back before the engine sizes its KV pool
+    return 2 * n * reps / secs
+
+
+def model_bytes(model_dir: str, dtype_bytes: int) -> tuple[int, int]:
+    """(weight bytes one decode step reads, KV bytes per token of context), at `dtype_bytes`
+    per element (the run's dtype, not the checkpoint's). Every weight is read once, except an
+    untied input embedding: a step gathers only its rows. Tied, the LM head reads it whole."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    numel = 0
+    for name in os.listdir(model_dir):
+        if not name.endswith(".safetensors"):
+            continue
+        with open(os.path.join(model_dir, name), "rb") as f:  # header only: u64 length + JSON
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for key, t in header.items():
+            if key == "__metadata__" or (key.endswith("embed_tokens.weight")
+                                         and not cfg.get("tie_word_embeddings", False)):
+                continue
+            n = 1
+            for d in t["shape"]:
+                n *= d
+            numel += n
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    return numel * dtype_bytes, cfg["num_hidden_layers"] * 2 * kv_heads * head_dim * dtype_bytes
+
+
+def decode_step_bytes(weight_bytes: int, kv_per_token: int, prompt_lens: list[int],
+                      out_lens: list[int]) -> list[int]:
+    """Bytes read by each step of a simple schedule: all requests start together, step s
+    (0 .. max output - 1) runs every request with output left to make, and reads the weights
+    once plus each running request's KV of prompt + s tokens. Prefill is modelled as a step
+    like the others (its compute, not bytes, is what bounds it; it is a small share here)."""
+    steps = []
+    for s in range(max(out_lens)):
+        ctx = sum(p + s for p, o in zip(prompt_lens, out_lens) if o > s)
+        steps.append(weight_bytes + ctx * kv_per_token)
+    return steps

@@ -21,20 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.common import save  # noqa: E402
+from bench.common import decode_step_bytes, mem_bandwidth, model_bytes, save  # noqa: E402
 from bench.gpu_check import qwen3_dir  # noqa: E402
-
-
-def hbm_bandwidth(gib: int = 2, reps: int = 10) -> float:
-    src = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 2 * src.numel() * reps / (time.perf_counter() - t0)  # read + write
 
 
 def main() -> None:
@@ -50,12 +38,10 @@ def main() -> None:
     from ray_runtime import LLM, SamplingParams
     from stages.model_spec import ModelSpec
 
-    bw = hbm_bandwidth()
+    bw = mem_bandwidth("cuda")
     model = qwen3_dir(args.root, 28, torch.bfloat16, small=False)
     spec = ModelSpec.from_dir(model)
-    weight_bytes = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model)
-                       if f.endswith(".safetensors"))
-    kv_per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2  # bf16
+    weight_bytes, kv_per_token = model_bytes(model, dtype_bytes=2)  # bf16
     rng = random.Random(0)
     prompts = [[rng.randrange(3, spec.vocab_size) for _ in range(args.prompt_len)]
                for _ in range(args.rows)]
@@ -76,8 +62,10 @@ def main() -> None:
     dt = runs[args.long][0] - runs[args.short][0]
     dsteps = runs[args.long][1] - runs[args.short][1]
     step_s = dt / dsteps
-    mean_ctx = args.prompt_len + (args.short + args.long) / 2
-    kv_bytes = args.rows * mean_ctx * kv_per_token
+    # Mean bytes over the steps the window adds (the long run's steps short .. long - 1).
+    window = decode_step_bytes(weight_bytes, kv_per_token, [args.prompt_len] * args.rows,
+                               [args.long] * args.rows)[args.short:args.long]
+    kv_bytes = sum(window) / len(window) - weight_bytes
     achieved = (weight_bytes + kv_bytes) / step_s
     fraction = achieved / bw
     print(f"HBM copy bandwidth {bw / 1e9:.0f} GB/s; decode step at batch {args.rows}: "

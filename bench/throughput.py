@@ -7,6 +7,10 @@ on one GPU against HF transformers `generate` on the same GPU, same prompts, sam
 HF gets one batched, left-padded `generate` per group of --hf-batch requests, with
 max_new_tokens set to the group's longest output (its tokens past each request's own output
 length are not counted).
+
+roofline_tok_s: the output tok/s the workload's bytes allow at the copy bandwidth measured in
+the same run (bench/common.py's decode_step_bytes: weights once per step plus each running
+request's KV, all requests starting together); recipe_roofline_fraction = ours / that.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.common import left_padded, save  # noqa: E402
+from bench.common import decode_step_bytes, left_padded, mem_bandwidth, model_bytes, save  # noqa: E402
 from bench.gpu_check import qwen3_dir  # noqa: E402
 
 
@@ -63,6 +67,11 @@ def main() -> None:
                for _ in range(args.requests)]
     out_lens = [rng.randint(args.min_len, args.max_len) for _ in range(args.requests)]
     n_in, n_out = sum(map(len, prompts)), sum(out_lens)
+    bw = mem_bandwidth("cuda")  # before the engine takes the GPU's memory
+    weight_bytes, kv_per_token = model_bytes(model, dtype_bytes=2)  # bf16
+    roofline_s = sum(decode_step_bytes(weight_bytes, kv_per_token, list(map(len, prompts)),
+                                       out_lens)) / bw
+    roofline_tok_s = n_out / roofline_s
     ray.init(include_dashboard=False)
 
     def ours(enforce_eager: bool) -> float:
@@ -81,6 +90,8 @@ def main() -> None:
         return took
 
     ours_s = ours(enforce_eager=False)  # CUDA graphs for decode steps (the default)
+    print(f"roofline: {roofline_tok_s:.0f} output tok/s at {bw / 1e9:.0f} GB/s copy bandwidth; "
+          f"ours = {n_out / ours_s / roofline_tok_s:.3f} of it", flush=True)
     eager_s = ours(enforce_eager=True) if args.compare_eager else None
     hf_s = run_hf(model, prompts, out_lens, args.hf_batch)
     print(f"HF:   {n_out / hf_s:.0f} output tok/s ({hf_s:.1f}s)", flush=True)
@@ -95,6 +106,10 @@ def main() -> None:
         "hf": {"method": f"batched generate, {args.hf_batch} per batch, left padding",
                "elapsed_s": round(hf_s, 2), "output_tok_s": round(n_out / hf_s, 1)},
         "speedup_vs_hf": round(hf_s / ours_s, 2),
+        "hbm_copy_bandwidth_GBps": round(bw / 1e9, 1), "weight_bytes": weight_bytes,
+        "kv_bytes_per_token": kv_per_token, "roofline_s": round(roofline_s, 3),
+        "roofline_tok_s": round(roofline_tok_s, 1),
+        "recipe_roofline_fraction": round(n_out / ours_s / roofline_tok_s, 4),
         "ours_eager": None if eager_s is None else {
             "elapsed_s": round(eager_s, 2), "output_tok_s": round(n_out / eager_s, 1),
             "cuda_graph_speedup": round(eager_s / ours_s, 3)}}))
