@@ -13,10 +13,11 @@ from ray_runtime.driver import Driver, resolve_max_model_len
 from ray_runtime.messages import FinishedRequest, RequestSpec
 from ray_runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from ray_runtime.sampling_params import SamplingParams
-from ray_runtime.validation import validate_request
+from ray_runtime.checks import InputTypeError
+from ray_runtime.validation import as_params_list, as_prompt_list, parse_prompt, validate_request
 from stages.model_spec import ModelSpec
 
-PromptType = Union[str, dict]
+PromptType = Union[str, dict, Sequence[int]]  # text, {prompt, prompt_token_ids}, token ids
 
 
 def connect_ray(config: EngineConfig) -> None:
@@ -80,28 +81,20 @@ class LLM:
                  ) -> list[RequestOutput]:
         if self._closed:
             raise RuntimeError("LLM has been shut down")
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"sampling_params has {len(params)} entries for "
-                                 f"{len(prompts)} prompts")
+        prompts = as_prompt_list(prompts)
+        params = as_params_list(sampling_params, len(prompts))
         specs, texts = [], []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            token_ids, text = self._tokenize(i, prompt)
-            validate_request(i, token_ids, sp, vocab_size=self.info["vocab_size"],
-                             max_model_len=self.info["max_model_len"],
-                             num_kv_blocks=self.info["num_kv_blocks"],
-                             block_size=self.info["block_size"],
-                             num_lookahead=self.config.num_speculative_tokens)
+            text, token_ids = parse_prompt(i, prompt)
+            if token_ids is None:
+                token_ids = self._tokenize(i, text)
+            token_ids = validate_request(i, token_ids, sp, vocab_size=self.info["vocab_size"],
+                                         max_model_len=self.info["max_model_len"],
+                                         num_kv_blocks=self.info["num_kv_blocks"],
+                                         block_size=self.info["block_size"],
+                                         num_lookahead=self.config.num_speculative_tokens)
             specs.append(RequestSpec(req_id=f"{i}-{uuid.uuid4().hex[:12]}",
-                                     prompt_token_ids=list(token_ids), sampling=sp))
+                                     prompt_token_ids=token_ids, sampling=sp))
             texts.append(text)
         if not specs:
             return []
@@ -123,23 +116,18 @@ class LLM:
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None
              ) -> list[RequestOutput]:
         """Like vLLM's LLM.chat: one conversation (a list of messages) or several."""
+        if not isinstance(conversations, (list, tuple)):
+            raise InputTypeError(f"conversations must be a list of messages or a list of such "
+                                 f"lists, got {type(conversations).__name__}")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         return self.generate([self.render_chat(c) for c in conversations], sampling_params)
 
-    def _tokenize(self, index: int, prompt: PromptType) -> tuple[list[int], Optional[str]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"prompt {index}: a text prompt needs a tokenizer, and "
-                                 f"{self.config.model!r} has none; pass prompt_token_ids")
-            return self.tokenizer(prompt).input_ids, prompt
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)):
-                raise ValueError(f"prompt {index}: prompt_token_ids must be a list of ints")
-            return list(ids), prompt.get("prompt")
-        raise ValueError(f"prompt {index}: expected a string or a dict with 'prompt_token_ids', "
-                         f"got {type(prompt).__name__}")
+    def _tokenize(self, index: int, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"prompts[{index}]: a text prompt needs a tokenizer, and "
+                             f"{self.config.model!r} has none; pass prompt_token_ids")
+        return self.tokenizer(text).input_ids
 
     def _to_output(self, f: FinishedRequest, prompt: Optional[str],
                    sp: SamplingParams) -> RequestOutput:

@@ -1,18 +1,29 @@
 """SamplingParams: what one request asks of the sampler and of the stop checks.
 
-Validated on construction, in the caller's process, so that bad input is a ValueError
-naming the field before anything reaches the cluster.
+Validated on construction and again by validate_request, in the caller's process, so that bad
+input is a ValueError (an InputTypeError, also a TypeError, for a wrong type) naming the field
+before anything reaches the cluster. Every field is converted to the plain type it has on the
+wire (numpy numbers become int / float) and bounded to what msgpack carries (signed 64-bit
+ints, finite floats).
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import msgspec
 
+from ray_runtime.checks import INT64_MAX, as_bool, as_float, as_int, as_int_list
+
+# vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling. Dividing logits by a smaller
+# one overflows float32 to inf, and softmax of inf - inf is NaN.
+SAMPLING_EPS = 1e-5
+
 
 class SamplingParams(msgspec.Struct, kw_only=True):
-    """Same meaning as vLLM's SamplingParams for the fields it shares with it."""
+    """Same meaning as vLLM's SamplingParams for the fields it shares with it.
+
+    temperature < SAMPLING_EPS (1e-5), 0 included, is greedy (argmax; top_p, top_k, min_p and
+    seed are then ignored), as in vLLM."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -29,32 +40,31 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         self.validate()
 
     def validate(self) -> None:
-        def bad(field: str, why: str) -> ValueError:
-            return ValueError(f"SamplingParams.{field} {why}")
-
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) \
-                or self.temperature < 0 or math.isinf(self.temperature):
-            raise bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or math.isnan(self.top_p) \
-                or not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or (self.top_k < 0 and self.top_k != -1):
-            raise bad("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if not isinstance(self.min_p, (int, float)) or math.isnan(self.min_p) \
-                or not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", f"must be an integer or None, got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", f"must be None or an integer in [0, 20], got {self.logprobs!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", f"must be non-negative integers, got {self.stop_token_ids!r}")
+        """Check every field and convert it in place to its wire type (InputTypeError for a
+        wrong type, ValueError for a value out of range). Idempotent, and cheap: the stages run it
+        again on decoding."""
+        f = "SamplingParams."
+        self.max_tokens = as_int(self.max_tokens, f + "max_tokens", 1, INT64_MAX, ">= 1")
+        self.temperature = as_float(self.temperature, f + "temperature", lambda t: t >= 0.0,
+                                    ">= 0 (below 1e-5: greedy)")
+        self.top_p = as_float(self.top_p, f + "top_p", lambda p: 0.0 < p <= 1.0, "in (0, 1]")
+        self.top_k = as_int(self.top_k, f + "top_k", -1, INT64_MAX,
+                            "-1, 0 (disabled) or positive")
+        self.min_p = as_float(self.min_p, f + "min_p", lambda p: 0.0 <= p <= 1.0, "in [0, 1]")
+        if self.seed is not None:
+            self.seed = as_int(self.seed, f + "seed",
+                               limits="in [-2**63, 2**63 - 1] (signed 64-bit) or None")
+        self.ignore_eos = as_bool(self.ignore_eos, f + "ignore_eos")
+        self.stop_token_ids = as_int_list(self.stop_token_ids, f + "stop_token_ids", 0,
+                                          INT64_MAX, "[0, 2**63)")
+        if self.logprobs is not None:
+            self.logprobs = as_int(self.logprobs, f + "logprobs", 0, 20, "in [0, 20] or None")
+        self.detokenize = as_bool(self.detokenize, f + "detokenize")
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax sampling: temperature below SAMPLING_EPS (vLLM's convention), 0 included."""
+        return self.temperature < SAMPLING_EPS
 
     @property
     def effective_top_k(self) -> int:

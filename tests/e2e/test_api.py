@@ -3,6 +3,7 @@ import json
 import math
 import shutil
 
+import numpy as np
 import pytest
 
 from ray_runtime import LLM, SamplingParams
@@ -57,6 +58,49 @@ def test_sampling_params_mutated_after_construction_are_rechecked(llm):
     sp.top_p = 2.0
     with pytest.raises(ValueError, match="top_p"):
         llm.generate(GOOD, sp)
+
+
+def test_bad_generate_calls_raise_in_the_caller_and_the_engine_keeps_serving(llm):
+    """Inputs that once passed the checks and broke the driver (a bool or a 2**64 where an int
+    belongs, None for a list) raise in the caller before anything runs; a temperature below
+    1e-5 is greedy (no NaN probabilities); the next good call gives the same tokens as before."""
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    reference = llm.generate(GOOD, greedy)[0].outputs[0].token_ids
+
+    def set_after(**fields):  # built valid, then changed: generate() must check it again
+        sp = SamplingParams(max_tokens=6, ignore_eos=True)
+        for name, value in fields.items():
+            setattr(sp, name, value)
+        return sp
+
+    bad_calls = [
+        (lambda: llm.generate(GOOD, set_after(seed=True)), "SamplingParams.seed"),
+        (lambda: llm.generate(GOOD, SamplingParams(seed=True)), "SamplingParams.seed"),
+        (lambda: llm.generate(GOOD, set_after(seed=2 ** 64)), "SamplingParams.seed"),
+        (lambda: llm.generate(None, greedy), "prompts"),
+        (lambda: llm.generate([GOOD, None], greedy), r"prompts\[1\]"),
+        (lambda: llm.generate(GOOD, set_after(stop_token_ids=None)), "stop_token_ids"),
+        (lambda: llm.generate(GOOD, SamplingParams(stop_token_ids=None)), "stop_token_ids"),
+        (lambda: llm.generate(GOOD, set_after(stop_token_ids=[VOCAB])), "stop_token_ids"),
+        (lambda: llm.generate(GOOD, set_after(max_tokens=True)), "max_tokens"),
+        (lambda: llm.generate(GOOD, set_after(max_tokens=2 ** 64)), "max_tokens"),
+        (lambda: llm.generate(GOOD, set_after(ignore_eos="yes")), "ignore_eos"),
+        (lambda: llm.generate(GOOD, set_after(temperature=math.inf)), "temperature"),
+        (lambda: llm.generate([GOOD, {"prompt_token_ids": [5, 2 ** 64]}], greedy), "prompt_token"),
+        (lambda: llm.generate([GOOD, {"prompt_token_ids": [5, True]}], greedy), "prompt_token"),
+        (lambda: llm.generate(GOOD, {"max_tokens": 3}), "sampling_params"),
+    ]
+    before = llm.stats()["num_steps"]
+    for call, field in bad_calls:
+        with pytest.raises((ValueError, TypeError), match=field):
+            call()
+    assert llm.stats()["num_steps"] == before, "nothing may run when a request is rejected"
+
+    tiny = SamplingParams(max_tokens=6, temperature=1e-40, ignore_eos=True)
+    assert tiny.is_greedy
+    outs = llm.generate([GOOD, {"prompt_token_ids": np.array([5, 6, 7, 8])}], [tiny, greedy])
+    assert [o.outputs[0].token_ids for o in outs] == [reference, reference]
+    assert llm.generate(GOOD, greedy)[0].outputs[0].token_ids == reference
 
 
 def test_kv_pool_too_small_for_one_request(ray_cluster, tiny_model):
