@@ -55,3 +55,12 @@ def start_stages(config: EngineConfig, pg, layer_ranges: list[tuple[int, int]],
         host, port = ray.get(stages[0].rendezvous_address.remote())
         ray.get([s.init_transport.remote(host, port) for s in stages])
     return stages
+
+
+def open_channels(stages: list) -> list:
+    """Start every stage's step loop and connect the driver's channel to each, in rank order."""
+    from ray_runtime.channel import Channel
+
+    addresses = ray.get([s.open_channel.remote() for s in stages])
+    return [Channel.connect(host, port, peer=f"stage rank {rank} at {host}:{port}")
+            for rank, (host, port) in enumerate(addresses)]

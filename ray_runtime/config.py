@@ -95,6 +95,9 @@ class EngineConfig:
     torch_threads_per_stage: int = 1
     debug_checks: bool = False  # run every InputBatch.check() each step
     placement_timeout_s: float = 60.0
+    # A stage that does not answer a step within this long is an error naming its rank
+    # (the first steps on a GPU include kernel compilation: keep it generous).
+    step_timeout_s: float = 300.0
     speculative_config: Optional[SpeculativeConfig] = None
 
     @property
@@ -131,6 +134,8 @@ class EngineConfig:
                                             f"got {self.placement_strategy!r}")
         if self.max_inflight_steps is not None and self.max_inflight_steps < 1:
             raise bad("max_inflight_steps", f"must be >= 1, got {self.max_inflight_steps}")
+        if not self.step_timeout_s > 0:
+            raise bad("step_timeout_s", f"must be > 0, got {self.step_timeout_s}")
         if self.on_mismatch not in ("repair", "raise"):
             raise bad("on_mismatch", f"must be 'repair' or 'raise', got {self.on_mismatch!r}")
         object.__setattr__(self, "speculative_config",

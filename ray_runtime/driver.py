@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import Optional
 
 import ray
 from ray.util.placement_group import remove_placement_group
 
-from ray_runtime.cluster import create_placement_group, start_stages
+from ray_runtime.channel import ERROR, PLAN, STOP, ChannelClosed, StageError
+from ray_runtime.cluster import create_placement_group, open_channels, start_stages
 from ray_runtime.config import EngineConfig, stage_layer_ranges
 from ray_runtime.messages import FinishedRequest, RequestSpec, StageStepResult, decode_result, encode
 from ray_runtime.reconcile import BookkeepingMismatch, audit
@@ -23,6 +25,7 @@ from ray_runtime.trace import PipelineTrace
 from stages.model_spec import ModelSpec
 
 logger = logging.getLogger(__name__)
+DRAIN_TIMEOUT_S = 30.0  # after a failed step: how long the other stages get to answer
 
 
 def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
@@ -46,6 +49,8 @@ class Driver:
         self.stages = start_stages(config, self.pg, layer_ranges, self.max_model_len)
         self.num_kv_blocks = self._size_kv_pool()
         ray.get([s.init_kv_cache.remote(self.num_kv_blocks) for s in self.stages])
+        self.channels = open_channels(self.stages)
+        self._broken: Optional[str] = None  # why the engine cannot step any more
         pp = config.pipeline_parallel_size
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -57,7 +62,7 @@ class Driver:
         # the slowest; a request's next step waits for its token anyway). PP=1: the next plan
         # waits behind the running one and computes on its pending sample.
         self.max_inflight = config.inflight_steps
-        self._inflight: deque[tuple[PlanRecord, list]] = deque()
+        self._inflight: deque[PlanRecord] = deque()  # launched, replies not yet read
         self.eos_token_ids = frozenset(self.spec.eos_token_ids)
         self.trace = PipelineTrace(pp, record_events=config.trace_file is not None)
         self._arrivals = 0
@@ -65,6 +70,7 @@ class Driver:
         self._num_prompt_tokens = 0
         self._num_mismatches = 0
         self._digest_s = [0.0] * pp
+        self._gpu_busy_s = [0.0] * pp  # CUDA: device span of each stage's steps
         self._audit_s = 0.0
         self._plan_s = 0.0
         self._wait_s = 0.0
@@ -84,6 +90,9 @@ class Driver:
 
     # ---- serving -------------------------------------------------------------------------
     def generate(self, requests: list[RequestSpec]) -> list[FinishedRequest]:
+        if self._broken is not None:
+            raise RuntimeError(f"the engine cannot run any more ({self._broken}); shut it down "
+                               "and create a new LLM")
         sched = self.scheduler
         for spec in requests:
             sched.add_request(Request(spec.req_id, spec.prompt_token_ids, spec.sampling,
@@ -99,7 +108,10 @@ class Driver:
                     raise RuntimeError("scheduler has unfinished requests but planned nothing")
                 self._complete_oldest()
                 finished.extend(self._collect(sched.pop_finished()))
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, (ChannelClosed, TimeoutError)):
+                self._broken = str(e)  # replies are out of step with plans: no draining
+                self._inflight.clear()
             self._abandon(requests)
             raise
         if self.config.trace_file:
@@ -108,16 +120,18 @@ class Driver:
 
     def _abandon(self, requests: list[RequestSpec]) -> None:
         """After a failed call, leave the engine ready for the next one: this call's requests
-        are aborted (their rows leave the ranks with the next plan) and in-flight steps are
-        drained, their results dropped."""
+        are aborted (their slots leave the ranks with the next plan) and in-flight steps are
+        drained, their replies dropped. A stage that does not answer within the drain
+        deadline leaves the engine unusable, said clearly on the next call."""
         for spec in requests:
             self.scheduler.abort_request(spec.req_id)
         while self._inflight:
-            _record, futures = self._inflight.popleft()
-            try:
-                ray.get(futures)
-            except Exception:  # noqa: BLE001 - the first error is the one being raised
-                pass
+            self._inflight.popleft()
+            for chan in self.channels:
+                try:
+                    chan.recv(timeout_s=min(self.config.step_timeout_s, DRAIN_TIMEOUT_S))
+                except (TimeoutError, ChannelClosed) as e:
+                    self._broken = str(e)
         self.scheduler.pop_finished()
 
     def _fill_pipeline(self) -> None:
@@ -128,18 +142,32 @@ class Driver:
             record = self.scheduler.schedule()
             if record is None:
                 break
-            plan_ref = ray.put(encode(record.plan))  # one copy, read by every stage
-            futures = [s.execute.remote(plan_ref) for s in self.stages]
-            self._inflight.append((record, futures))
+            plan = encode(record.plan)  # once; every stage reads the same bytes
+            for chan in self.channels:
+                chan.send(PLAN, plan)
+            self._inflight.append(record)
             t1 = time.time()
             self._plan_s += t1 - t0
             self.trace.driver_span("plan", t0, t1, step=record.plan.step_id,
                                    reqs=len(record.plan.scheduled_req_ids))
 
+    def _read_replies(self) -> list[StageStepResult]:
+        """The oldest step's reply from every stage, in rank order."""
+        results, errors = [], []
+        for chan in self.channels:
+            kind, payload = chan.recv(timeout_s=self.config.step_timeout_s)
+            if kind == ERROR:
+                errors.append(payload.decode())
+            else:
+                results.append(decode_result(payload))
+        if errors:
+            raise StageError("\n".join(errors))
+        return results
+
     def _complete_oldest(self) -> None:
-        record, futures = self._inflight.popleft()
+        record = self._inflight.popleft()
         t0 = time.time()
-        results = [decode_result(r) for r in ray.get(futures)]
+        results = self._read_replies()
         t1 = time.time()
         self._wait_s += t1 - t0
         self.trace.driver_span("wait", t0, t1, step=record.plan.step_id)
@@ -161,6 +189,7 @@ class Driver:
         for res in results:
             self.trace.stage_step(res.rank, res.step_id, res.timing)
             self._digest_s[res.rank] += res.timing.digest_s
+            self._gpu_busy_s[res.rank] += res.timing.gpu_busy_s
             digests = [d for d in res.digests if d.req_id not in record.self_drafted]
             for m in audit(record.expected, digests, res.rank, res.rank == last):
                 self._num_mismatches += 1
@@ -206,7 +235,8 @@ class Driver:
                 "async_scheduling": self.config.async_scheduling,
                 "driver_plan_s": self._plan_s, "driver_wait_s": self._wait_s,
                 "driver_audit_s": self._audit_s, "stage_digest_s": list(self._digest_s),
-                "stage_busy_s": list(t.busy_s), "stage_idle_s": list(t.idle_s),
+                "stage_busy_s": list(t.busy_s),
+                "stage_gpu_busy_s": list(self._gpu_busy_s) if self.config.device == "cuda" else None, "stage_idle_s": list(t.idle_s),
                 "stage_idle_fraction": t.idle_fractions()}
 
     def check(self) -> None:
@@ -217,6 +247,12 @@ class Driver:
         ray.get(self.stages[rank].set_fault_hook.remote(hook))
 
     def shutdown(self) -> None:
+        for chan in self.channels:
+            try:
+                chan.send(STOP)
+            except ChannelClosed:
+                pass
+            chan.close()
         try:
             ray.get([s.close.remote() for s in self.stages], timeout=30)
         finally:

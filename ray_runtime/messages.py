@@ -98,6 +98,8 @@ class StageTiming(msgspec.Struct, array_like=True):
     compute_done: float  # layers (and sampler) done
     end: float  # activations handed to the transport / result encoded
     digest_s: float  # time spent fingerprinting rows for the audit
+    # CUDA: the device's span for the step (event to event); 0 on CPU or if not yet complete
+    gpu_busy_s: float = 0.0
 
 
 class StageStepResult(msgspec.Struct, array_like=True):

@@ -36,7 +36,8 @@ class InputBatch:
     # Per-slot numpy fields other than token_ids and block_table; `_clear_row` resets them all.
     _ROW_SCALARS = ("num_tokens_known", "num_prompt_tokens", "num_computed_tokens",
                     "num_blocks", "incarnation", "last_sampled_token", "num_conflicts",
-                    "num_draft_tokens", "num_unresolved_drafts", "num_draft_computed")
+                    "num_draft_tokens", "num_unresolved_drafts", "num_draft_computed",
+                    "num_pending_samples")
 
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
         self.max_num_seqs = max_num_seqs
@@ -63,6 +64,11 @@ class InputBatch:
         self.num_draft_tokens = np.zeros(max_num_seqs, np.int64)
         self.num_unresolved_drafts = np.zeros(max_num_seqs, np.int64)
         self.num_draft_computed = np.zeros(max_num_seqs, np.int64)
+        # Overlap (last rank): samples launched steps made on the device whose values have not
+        # reached the host yet (at most one per step in flight). They extend the known prefix
+        # by as many positions; the latest one's value is in the runner's device buffer, and
+        # each lands here, oldest first, when its step finishes (`land_samples`).
+        self.num_pending_samples = np.zeros(max_num_seqs, np.int64)
         self.sampling: list[Optional[SamplingParams]] = [None] * max_num_seqs
         self._free_slots = list(range(max_num_seqs))  # a min-heap
         self.num_unknown_removals = 0  # removals of requests this rank never held
@@ -106,6 +112,7 @@ class InputBatch:
         self.num_draft_tokens[row] = 0  # the previous tenant's drafts are gone (docs/invariants.md, 3)
         self.num_unresolved_drafts[row] = 0
         self.num_draft_computed[row] = 0
+        self.num_pending_samples[row] = 0
         self.sampling[row] = new.sampling
         self.generation[row] += 1
         return row
@@ -165,6 +172,8 @@ class InputBatch:
             held = self.token_ids[row, start:start + overlap]
             self.num_conflicts[row] += int((held != np.asarray(tokens[:overlap])).sum())
         if end > known:  # the known prefix grows over where drafts were: they are spent
+            if self.num_pending_samples[row]:
+                raise AssertionError(f"request {req_id!r}: driver tokens over a pending sample")
             if self.num_draft_tokens[row]:
                 self._clear_drafts(row)
             # Grows from its own value only: never derived from num_computed_tokens (docs/invariants.md, 1).
@@ -213,6 +222,28 @@ class InputBatch:
         drafts = self.num_draft_tokens[rows]
         self.num_computed_tokens[rows] += num_tokens - drafts
         self.num_unresolved_drafts[rows] = drafts
+
+    def expect_samples(self, slots: np.ndarray) -> np.ndarray:
+        """A launched step will sample one token for each of these slots (no drafts): the
+        known prefix grows by a pending position now, its value lands later. Returns the
+        slots' generations, which `land_samples` checks."""
+        assert not self.num_draft_tokens[slots].any(), "a deferred sample beside drafts"
+        self.num_pending_samples[slots] += 1
+        return self.generation[slots].copy()
+
+    def land_samples(self, slots: np.ndarray, generations: np.ndarray,
+                     tokens: np.ndarray) -> np.ndarray:
+        """The values of the samples `expect_samples` announced. A slot whose tenant changed
+        meanwhile (removed, maybe re-admitted: invariant 3) drops its late value. Returns
+        the mask of the samples that landed."""
+        live = (self.generation[slots] == generations) & (self.num_pending_samples[slots] > 0)
+        s, t = slots[live], tokens[live]
+        known = self.num_tokens_known[s]
+        self.token_ids[s, known] = t
+        self.num_tokens_known[s] = known + 1
+        self.last_sampled_token[s] = t
+        self.num_pending_samples[s] -= 1
+        return live
 
     def append_samples(self, req_ids: list[str], samples: list[list[int]]) -> None:
         """The last rank's own samples, request by request: append_tokens, then
@@ -314,7 +345,10 @@ class InputBatch:
             where = f"request {req_id!r} (row {row})"
             assert prompt <= known <= self.max_model_len, \
                 f"{where}: known prefix {known} shorter than its prompt {prompt}"
-            assert 0 <= computed <= known, f"{where}: computed {computed} > known {known}"
+            pending = int(self.num_pending_samples[row])
+            assert pending >= 0 and not (pending and self.num_draft_tokens[row]), \
+                f"{where}: {pending} pending samples"
+            assert 0 <= computed <= known + pending, f"{where}: computed {computed} > known {known}"
             held = known + int(self.num_draft_tokens[row])
             assert held <= self.max_model_len, f"{where}: drafts past max_model_len"
             assert (self.token_ids[row, :held] >= 0).all(), f"{where}: poison inside known prefix or drafts"

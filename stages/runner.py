@@ -7,6 +7,7 @@ a StageStepResult. Plain Python, so tests can drive it without Ray.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,6 +39,40 @@ class StepInputs:
     sample_token_index: list[int]  # their last token's index in the step's layout
     sample_output_index: list[int]  # index of the output token each will sample (0 = first)
     sample_num_drafts: list[int]  # drafts each verifies: its last 1 + m tokens get logits
+    sample_slots: np.ndarray  # [num_sampled] their slots
+    # Tokens whose id is a pending sample (still only on the device): their index in the
+    # step's layout and their slot, for the device-side patch of the input ids.
+    patch_index: np.ndarray
+    patch_slot: np.ndarray
+
+
+@dataclass
+class DeferredSamples:
+    """A step's samples on their way to the host (one pinned copy, one event)."""
+
+    req_ids: list[str]
+    slots: np.ndarray  # [n]
+    generations: np.ndarray  # [n] the slots' generations at launch: a changed one drops its value
+    incarnations: list[int]
+    tokens: torch.Tensor  # [n] host (pinned on CUDA), valid once the step's event completed
+
+
+@dataclass
+class LaunchedStep:
+    step_id: int
+    start: float
+    recv_done: float
+    digests: list
+    digest_s: float
+    gpu_start: Optional[torch.cuda.Event]
+    gpu_end: Optional[torch.cuda.Event] = None
+    compute_done: float = 0.0
+    sampler_output: Optional[SamplerOutput] = None  # ready at launch (the host-side paths)
+    deferred: Optional[DeferredSamples] = None
+    tokens_ready: Optional[torch.cuda.Event] = None
+
+
+_EMPTY = np.zeros(0, np.int64)
 
 
 class StageRunner:
@@ -65,6 +100,15 @@ class StageRunner:
         self.graphs: Optional[DecodeGraphs] = None  # cuda, unless enforce_eager
         self.transport: Optional[StageTransport] = None
         self.fault_hook = None  # tests only: called with the batch after each plan is applied
+        self._gpu_spans: deque = deque()  # (start, end) events of steps not yet accounted
+        if self.is_last:
+            # [max_num_seqs] each slot's latest sample, written by the device; read only for a
+            # slot with a pending sample, which only its current tenant can have (invariant 3).
+            self.last_sampled = torch.zeros(config.max_num_seqs, dtype=torch.long, device=self.device)
+            # Two pinned host buffers, alternating by step: a copy still in flight is never
+            # overwritten by the next step's (invariant 2).
+            self._pinned_tokens = [torch.zeros(config.max_num_seqs, dtype=torch.long,
+                                               pin_memory=self.device == "cuda") for _ in range(2)]
 
     # ---- set-up --------------------------------------------------------------------------
     def kv_block_capacity(self) -> int:
@@ -144,9 +188,17 @@ class StageRunner:
             self.transport = StageTransport(self.rank, self.config.pipeline_parallel_size,
                                             self.device, host, port)
 
-    # ---- one step ------------------------------------------------------------------------
-    @torch.inference_mode()
+    # ---- one step: launch, then finish ---------------------------------------------------
+    # The step loop launches step N+1 before it finishes step N when N+1's plan is already
+    # there: applying a plan and staging inputs overlap the device's work on the previous
+    # step. A deferred sample stays on the device (it feeds the next step's input ids
+    # directly) and reaches the host through one pinned copy and one event, read in finish.
     def execute(self, plan: StepPlan) -> StageStepResult:
+        """One step, serially (tests, benchmarks): launch and finish at once."""
+        return self.finish(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> "LaunchedStep":
         start = time.time()
         if self.drafter is not None:
             for req_id in plan.removed_req_ids:
@@ -157,8 +209,12 @@ class StageRunner:
         if self.config.debug_checks:
             self.batch.check()
         inputs = self.prepare_inputs(plan)
+        gpu_start = self._record_event()
         if self.is_first:
-            x = torch.from_numpy(inputs.token_ids).to(self.device)
+            x = torch.from_numpy(inputs.token_ids).to(self.device, non_blocking=True)
+            if len(inputs.patch_index):  # pending samples: their ids never left the device
+                x[torch.from_numpy(inputs.patch_index).to(self.device, non_blocking=True)] = \
+                    self.last_sampled[torch.from_numpy(inputs.patch_slot).to(self.device, non_blocking=True)]
         else:
             x = self.transport.recv_from_prev(len(inputs.token_ids), self.spec.hidden_size, self.dtype)
         recv_done = time.time()
@@ -168,23 +224,89 @@ class StageRunner:
         digests = self.batch.digests(plan)
         digest_s = time.perf_counter() - t_digest
         self.batch.mark_computed_rows(inputs.rows, inputs.num_new)
-        sampler_output = None
+        step = LaunchedStep(plan.step_id, start, recv_done, digests, digest_s, gpu_start)
         if self.is_last:
-            sampler_output = self._sample(plan.step_id, hidden, inputs)
-            # The last rank holds its samples at once: with PP=1 the next plan may already
-            # compute on them before the driver has seen them (async placeholders).
-            self.batch.append_samples(sampler_output.req_ids, sampler_output.sampled_token_ids)
-            if self.spec_config is not None:
-                sampler_output.draft_token_ids = self._propose(sampler_output.req_ids)
-        compute_done = time.time()
-        if not self.is_last:
+            if self._can_defer(inputs):
+                self._sample_deferred(hidden, inputs, step)
+            else:
+                step.sampler_output = self._sample(plan.step_id, hidden, inputs)
+                # The last rank holds its samples at once: with PP=1 the next plan may
+                # already compute on them before the driver has seen them (placeholders).
+                self.batch.append_samples(step.sampler_output.req_ids,
+                                          step.sampler_output.sampled_token_ids)
+                if self.spec_config is not None:
+                    step.sampler_output.draft_token_ids = self._propose(step.sampler_output.req_ids)
+        else:
             self.transport.send_to_next(hidden)
+        step.gpu_end = self._record_event()
+        step.compute_done = time.time()
+        return step
+
+    def _can_defer(self, inputs: "StepInputs") -> bool:
+        """Whether the step's samples may stay on the device until finish: not when drafts
+        are verified or proposed (host logic on the tokens), nor for logprobs."""
+        if self.spec_config is not None or not inputs.sample_req_ids:
+            return False
+        b = self.batch
+        return not any(b.sampling[r].logprobs is not None for r in inputs.sample_slots.tolist())
+
+    def _sample_deferred(self, hidden: torch.Tensor, inputs: "StepInputs", step: "LaunchedStep") -> None:
+        b = self.batch
+        index = torch.tensor(inputs.sample_token_index, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        params = [b.sampling[r] for r in inputs.sample_slots.tolist()]
+        tokens = self.sampler.sample(logits, params, inputs.sample_output_index)
+        slots = inputs.sample_slots
+        self.last_sampled[torch.from_numpy(slots).to(self.device, non_blocking=True)] = tokens
+        n = len(slots)
+        if self.device == "cuda":
+            host = self._pinned_tokens[step.step_id % 2][:n]  # double-buffered (invariant 2)
+            host.copy_(tokens, non_blocking=True)
+            step.tokens_ready = torch.cuda.Event()
+            step.tokens_ready.record()
+        else:
+            host = tokens
+        step.deferred = DeferredSamples(req_ids=inputs.sample_req_ids, slots=slots,
+                                        generations=b.expect_samples(slots),
+                                        incarnations=b.incarnation[slots].tolist(), tokens=host)
+
+    def step_done(self, step: "LaunchedStep") -> bool:
+        """Whether finish(step) would return without waiting for the device."""
+        return step.tokens_ready is None or step.tokens_ready.query()
+
+    def _record_event(self):
+        if self.device != "cuda":
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def finish(self, step: "LaunchedStep") -> StageStepResult:
+        """Wait for what the result needs (the deferred samples' copy), fold the samples into
+        the batch, and build the result."""
+        out = step.sampler_output
+        d = step.deferred
+        if d is not None:
+            if step.tokens_ready is not None:
+                step.tokens_ready.synchronize()
+            tokens = d.tokens.numpy().copy()
+            self.batch.land_samples(d.slots, d.generations, tokens)
+            # Every sample is reported; the driver drops those of requests it removed.
+            out = SamplerOutput(step_id=step.step_id, req_ids=d.req_ids, incarnations=d.incarnations,
+                                sampled_token_ids=[[t] for t in tokens.tolist()])
+        gpu_busy_s = 0.0
+        if step.gpu_end is not None:
+            self._gpu_spans.append((step.gpu_start, step.gpu_end))
+            while self._gpu_spans and self._gpu_spans[0][1].query():  # never waits
+                start, end = self._gpu_spans.popleft()
+                gpu_busy_s += start.elapsed_time(end) / 1e3
         if self.config.debug_checks:
             self.batch.check()
-        timing = StageTiming(start=start, recv_done=recv_done, compute_done=compute_done,
-                             end=time.time(), digest_s=digest_s)
-        return StageStepResult(step_id=plan.step_id, rank=self.rank, timing=timing,
-                               digests=digests, sampler_output=sampler_output)
+        timing = StageTiming(start=step.start, recv_done=step.recv_done,
+                             compute_done=step.compute_done, end=time.time(),
+                             digest_s=step.digest_s, gpu_busy_s=gpu_busy_s)
+        return StageStepResult(step_id=step.step_id, rank=self.rank, timing=timing,
+                               digests=step.digests, sampler_output=out)
 
     def prepare_inputs(self, plan: StepPlan) -> StepInputs:
         """Positions come from the plan (the driver's counts are canonical); the rank's own
@@ -202,13 +324,16 @@ class StageRunner:
                 if 1 + nd > num_new[i]:
                     raise AssertionError(f"request {d.req_id!r}: {nd} drafts but {num_new[i]} tokens planned")
                 num_new[i] = 1 + nd
-                view[d.req_id] = (int(b.num_computed_tokens[row]), int(b.num_tokens_known[row]), nd)
+                view[d.req_id] = (int(b.num_computed_tokens[row]),
+                                  int(b.num_tokens_known[row] + b.num_pending_samples[row]), nd)
         rows = np.array([b.req_id_to_slot[r] for r in plan.scheduled_req_ids], np.int64)
         starts = np.array([view[r][0] for r in plan.scheduled_req_ids], np.int64)
         driver_known = np.array([view[r][1] for r in plan.scheduled_req_ids], np.int64)
         drafts = np.array([view[r][2] for r in plan.scheduled_req_ids], np.int64)
         ends = starts + num_new
-        known = b.num_tokens_known[rows]  # may exceed driver_known by the last rank's samples
+        # The rank's own prefix, with a pending sample (its value still on the device) counted:
+        # it may exceed driver_known by the last rank's samples.
+        known = b.num_tokens_known[rows] + b.num_pending_samples[rows]
         over = np.nonzero(ends > np.maximum(known, driver_known) + drafts)[0]
         if len(over):
             i = int(over[0])
@@ -230,20 +355,32 @@ class StageRunner:
         # last rank may know one more token than the driver (its own pending sample, PP=1).
         base = np.maximum(known, driver_known)
         num_verified = ends - base
+        patch_index = patch_slot = _EMPTY
         if self.is_first:
             token_ids = b.token_ids[token_row, positions]
+            pending = positions >= b.num_tokens_known[token_row]
+            if pending.any():
+                # The one legitimate case: the slot's latest pending sample, whose value is
+                # in the device buffer (older pending positions were run by earlier steps).
+                fed = pending & (positions == b.num_tokens_known[token_row]
+                                 + b.num_pending_samples[token_row] - 1)
+                patch_index = np.nonzero(fed)[0]
+                patch_slot = token_row[patch_index]
+                token_ids[patch_index] = 0
             poisoned = token_ids < 0
             if poisoned.any():  # a row lost tokens it should know: report, don't crash
                 np.add.at(b.num_conflicts, token_row[poisoned], 1)
                 token_ids[poisoned] = 0
         else:
             token_ids = np.empty(total, np.int64)
+        sample_slots = rows[sample]
         return StepInputs(token_ids=token_ids, rows=rows, meta=meta, num_new=num_new,
                           sample_req_ids=[plan.scheduled_req_ids[i] for i in sample],
-                          sample_token_index=[int(query_start_loc[i + 1]) - 1 for i in sample],
-                          sample_output_index=[int(base[i] - b.num_prompt_tokens[rows[i]])
-                                               for i in sample],
-                          sample_num_drafts=[int(num_verified[i]) for i in sample])
+                          sample_slots=sample_slots,
+                          sample_token_index=(np.asarray(query_start_loc)[sample + 1] - 1).tolist(),
+                          sample_output_index=(base[sample] - b.num_prompt_tokens[sample_slots]).tolist(),
+                          sample_num_drafts=num_verified[sample].tolist(),
+                          patch_index=patch_index, patch_slot=patch_slot)
 
     def _sample(self, step_id: int, hidden: torch.Tensor, inputs: StepInputs) -> SamplerOutput:
         b = self.batch

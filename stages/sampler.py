@@ -59,11 +59,10 @@ class Sampler:
         self.unseeded = torch.Generator(device=device)
         self.unseeded.seed()
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 output_indices: list[int], with_logprobs: bool = True) -> SampleResult:
-        """logits: [num_reqs, vocab] float32; output_indices: per request, the index of the
-        output token being sampled (0 for the first). with_logprobs=False: the caller
-        computes the logprob entries itself (the runner does, for every emitted token)."""
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               output_indices: list[int]) -> torch.Tensor:
+        """The sampled ids as a device tensor [num_reqs], without waiting for the device:
+        the caller copies them to the host when it needs them (asynchronously)."""
         tokens = torch.argmax(logits, dim=-1)  # greedy rows keep this
         for i, sp in enumerate(params):
             if sp.is_greedy:
@@ -72,7 +71,14 @@ class Sampler:
             gen = self.unseeded if sp.seed is None else \
                 seeded_generator(sp.seed, output_indices[i], logits.device)
             tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]
-        token_list = tokens.tolist()
+        return tokens
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 output_indices: list[int], with_logprobs: bool = True) -> SampleResult:
+        """logits: [num_reqs, vocab] float32; output_indices: per request, the index of the
+        output token being sampled (0 for the first). with_logprobs=False: the caller
+        computes the logprob entries itself (the runner does, for every emitted token)."""
+        token_list = self.sample(logits, params, output_indices).tolist()
         if not with_logprobs:
             return SampleResult(token_list, [], [], [], any_logprobs=False)
         return self._with_logprobs(logits, params, token_list)

@@ -1,4 +1,5 @@
-"""The stage as a Ray actor: a thin shell around StageRunner that speaks msgpack bytes.
+"""The stage as a Ray actor: a thin shell around StageRunner. Set-up and checks are actor
+calls; steps travel over the channel to the stage's StepLoop thread, never as actor calls.
 
 Created by the driver (which owns it: the stage dies with its driver), one per
 placement-group bundle. Typed methods only; no dispatch by method-name string.
@@ -8,8 +9,8 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from ray_runtime.config import EngineConfig
-from ray_runtime.messages import decode_plan, encode
 from stages.runner import StageRunner
+from stages.step_loop import StepLoop
 from stages.transport import pick_rendezvous_address
 
 
@@ -17,6 +18,7 @@ class StageWorker:
     def __init__(self, config: EngineConfig, rank: int, layer_range: tuple[int, int],
                  max_model_len: int) -> None:
         self.runner = StageRunner(config, rank, layer_range, max_model_len)
+        self.loop: Optional[StepLoop] = None
 
     def node_info(self) -> dict:
         import os
@@ -39,8 +41,13 @@ class StageWorker:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.init_kv_cache(num_blocks)
 
-    def execute(self, plan_bytes: bytes) -> bytes:
-        return encode(self.runner.execute(decode_plan(plan_bytes)))
+    def open_channel(self) -> tuple[str, int]:
+        """Start the step loop; it waits for the driver at the returned address (this node's
+        address, an OS-chosen port)."""
+        import ray
+
+        self.loop = StepLoop(self.runner, ray.util.get_node_ip_address())
+        return self.loop.address
 
     def check(self) -> None:
         self.runner.check()
@@ -50,4 +57,6 @@ class StageWorker:
         self.runner.fault_hook = hook
 
     def close(self) -> None:
+        if self.loop is not None and not self.loop.join(timeout_s=30.0):
+            raise RuntimeError(f"stage rank {self.runner.rank}: step loop did not stop")
         self.runner.close()
