@@ -90,7 +90,9 @@ def lockstep(args, model_dir: str, enforce_eager: bool) -> dict:
     timer.wrap(runner, "prepare_inputs", "rank_prepare_inputs")
     timer.wrap(runner.batch, "digests", "rank_digests")
     timer.wrap(runner, "_forward", "rank_forward")
-    timer.wrap(runner, "_sample", "rank_sample")
+    timer.wrap(runner, "_sample", "rank_sample")  # host-side sampling (drafts, logprobs)
+    timer.wrap(runner, "_sample_deferred", "rank_sample")  # samples kept on the device
+    timer.wrap(runner, "finish", "rank_finish")
     decode_steps = 0
     while decode_steps < args.steps:
         t0 = time.perf_counter()
@@ -115,8 +117,8 @@ def lockstep(args, model_dir: str, enforce_eager: bool) -> dict:
         timer.add("step_total", t3 - t0)
     med = timer.medians_ms(skip=4)
     med["rank_other"] = round(med["rank_execute_total"] - sum(
-        med[k] for k in ("rank_apply_plan", "rank_prepare_inputs", "rank_digests",
-                         "rank_forward", "rank_sample")), 3)
+        med.get(k, 0.0) for k in ("rank_apply_plan", "rank_prepare_inputs", "rank_digests",
+                                   "rank_forward", "rank_sample", "rank_finish")), 3)
     prof = kernel_table(runner, sched, args) if args.device == "cuda" else None
     return {"enforce_eager": enforce_eager, "median_ms": med, "kernels": prof}
 

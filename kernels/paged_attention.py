@@ -117,10 +117,11 @@ class DecodeLayout:
     all_decode: bool  # every request is a single decode token, in order
 
 
-def decode_layout(seq_lens, query_start_loc, device) -> DecodeLayout:
+def decode_layout_arrays(seq_lens, query_start_loc) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                             list[int], bool]:
     """seq_lens [requests] and query_start_loc [requests + 1] (lists or arrays): every token
     of a chunk of up to SHORT_CHUNK tokens becomes a decode row whose causal context ends at
-    its own position."""
+    its own position. Host arrays (token_rows, table_rows, ctx_lens), long_chunks, all_decode."""
     ctx = np.asarray(seq_lens, np.int64)
     qsl = np.asarray(query_start_loc, np.int64)
     n = np.diff(qsl)
@@ -131,11 +132,17 @@ def decode_layout(seq_lens, query_start_loc, device) -> DecodeLayout:
     token_rows = np.nonzero(decode)[0]
     long_chunks = np.nonzero(~short)[0].tolist()
     all_decode = len(token_rows) == len(n) and not long_chunks
+    return token_rows, req[decode], position[decode] + 1, long_chunks, all_decode
+
+
+def decode_layout(seq_lens, query_start_loc, device) -> DecodeLayout:
+    token_rows, table_rows, ctx_lens, long_chunks, all_decode = \
+        decode_layout_arrays(seq_lens, query_start_loc)
 
     def t(x):
         return torch.from_numpy(np.ascontiguousarray(x, np.int64)).to(device)
 
-    return DecodeLayout(t(token_rows), t(req[decode]), t(position[decode] + 1), long_chunks, all_decode)
+    return DecodeLayout(t(token_rows), t(table_rows), t(ctx_lens), long_chunks, all_decode)
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,

@@ -87,7 +87,7 @@ class DraftModelProposer:
         # Catch up: every known token the draft has not seen yet, in one mixed batch.
         num_new = known - done
         assert (num_new > 0).all(), "draft catch-up with nothing to catch up"
-        meta, token_row, positions = attention_metadata(batch.block_table, rows, done, num_new,
+        meta, token_row, positions, _ = attention_metadata(batch.block_table, rows, done, num_new,
                                                         self.block_size, self.device)
         ids = torch.from_numpy(batch.token_ids[token_row, positions]).to(self.device)
         hidden = self.model(ids, meta, self.kv_caches)
@@ -108,7 +108,7 @@ class DraftModelProposer:
                 break
             sel = np.array(active)
             step_rows = rows[sel]
-            meta, _, _ = attention_metadata(batch.block_table, step_rows, known[sel] + j,
+            meta, _, _, _ = attention_metadata(batch.block_table, step_rows, known[sel] + j,
                                         np.ones(len(sel), np.int64), self.block_size, self.device)
             ids = torch.tensor([drafts[live[a]][-1] for a in active], device=self.device)
             hidden = self.model(ids, meta, self.kv_caches)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -18,7 +18,7 @@ from safetensors import safe_open
 from torch import nn
 
 from kernels.layer_ops import add_rms_norm, norm_rope, rms_norm, silu_and_mul
-from kernels.paged_attention import DecodeLayout, decode_layout, paged_attention, write_kv
+from kernels.paged_attention import DecodeLayout, decode_layout_arrays, paged_attention, write_kv
 from stages.model_spec import ModelSpec
 
 
@@ -32,26 +32,47 @@ class AttentionMetadata:
     layout: Optional[DecodeLayout] = None  # which rows run as decode rows, once per step
 
 
-def attention_metadata(block_table: np.ndarray, rows: np.ndarray, starts: np.ndarray,
-                       num_new: np.ndarray, block_size: int, device: str
-                       ) -> tuple[AttentionMetadata, np.ndarray, np.ndarray]:
-    """Row r runs num_new[r] tokens from position starts[r]: their attention metadata, and
-    per token its row and position."""
+def token_layout(rows: np.ndarray, starts: np.ndarray, num_new: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Row r runs num_new[r] tokens from position starts[r]: query_start_loc, and per token
+    its row and position."""
     query_start_loc = np.concatenate([[0], np.cumsum(num_new)])
     total = int(query_start_loc[-1])
     token_row = np.repeat(rows, num_new)
     positions = np.arange(total) - np.repeat(query_start_loc[:-1], num_new) + np.repeat(starts, num_new)
+    return query_start_loc, token_row, positions
+
+
+def plain_to_device(device: str) -> Callable[[list[np.ndarray]], list[torch.Tensor]]:
+    return lambda arrays: [torch.from_numpy(np.ascontiguousarray(a, np.int64)).to(device)
+                           for a in arrays]
+
+
+def attention_metadata(block_table: np.ndarray, rows: np.ndarray, starts: np.ndarray,
+                       num_new: np.ndarray, block_size: int, device: str, *,
+                       to_device: Optional[Callable] = None, extras: Sequence[np.ndarray] = (),
+                       layout: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
+                       ) -> tuple[AttentionMetadata, np.ndarray, np.ndarray, list[torch.Tensor]]:
+    """Row r runs num_new[r] tokens from position starts[r]: their attention metadata, per
+    token its row and position, and `extras` (more int64 host arrays the step needs on the
+    device) moved along with the metadata by one `to_device` call (the runner's staging: one
+    pinned copy per step). layout: token_layout() of the same rows, if the caller has it."""
+    query_start_loc, token_row, positions = layout or token_layout(rows, starts, num_new)
     slot_mapping = block_table[token_row, positions // block_size].astype(np.int64) * block_size \
         + positions % block_size
     ends = starts + num_new
     max_blocks = int(-(-ends.max() // block_size))
+    token_rows, table_rows, ctx_lens, long_chunks, all_decode = \
+        decode_layout_arrays(ends, query_start_loc)
+    moved = (to_device or plain_to_device(device))(
+        [positions, slot_mapping, block_table[rows, :max_blocks], token_rows, table_rows,
+         ctx_lens, *extras])
+    pos_t, slots_t, tables_t, token_rows_t, table_rows_t, ctx_t = moved[:6]
     meta = AttentionMetadata(
-        positions=torch.from_numpy(positions).to(device),
-        slot_mapping=torch.from_numpy(slot_mapping).to(device),
-        block_tables=torch.from_numpy(block_table[rows, :max_blocks].astype(np.int64)).to(device),
-        seq_lens=ends.tolist(), query_start_loc=query_start_loc.tolist())
-    meta.layout = decode_layout(ends, query_start_loc, device)
-    return meta, token_row, positions
+        positions=pos_t, slot_mapping=slots_t, block_tables=tables_t,
+        seq_lens=ends.tolist(), query_start_loc=query_start_loc.tolist(),
+        layout=DecodeLayout(token_rows_t, table_rows_t, ctx_t, long_chunks, all_decode))
+    return meta, token_row, positions, moved[6:]
 
 
 class RMSNorm(nn.Module):

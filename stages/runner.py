@@ -21,7 +21,8 @@ from stages.cuda_graphs import DecodeGraphs
 from stages.draft_model import DraftModelProposer
 from stages.input_batch import InputBatch
 from stages.kv_cache import allocate_kv_cache, available_host_kv_bytes, bytes_per_block
-from stages.model import AttentionMetadata, attention_metadata, build_stage
+from stages.model import AttentionMetadata, attention_metadata, build_stage, token_layout
+from stages.staging import InputStaging
 from stages.model_spec import ModelSpec
 from stages.ngram_proposer import ngram_propose
 from stages.sampler import Sampler, token_logprobs
@@ -44,6 +45,19 @@ class StepInputs:
     # step's layout and their slot, for the device-side patch of the input ids.
     patch_index: np.ndarray
     patch_slot: np.ndarray
+    num_tokens: int
+    device: "DeviceInputs"
+
+
+@dataclass
+class DeviceInputs:
+    """The step's own arrays on the device, staged with its attention metadata (one copy)."""
+
+    token_ids: torch.Tensor  # [num_tokens] first rank; empty elsewhere
+    patch_index: torch.Tensor
+    patch_slot: torch.Tensor
+    sample_token_index: torch.Tensor  # [num_sampled]
+    sample_slots: torch.Tensor  # [num_sampled]
 
 
 @dataclass
@@ -101,6 +115,7 @@ class StageRunner:
         self.transport: Optional[StageTransport] = None
         self.fault_hook = None  # tests only: called with the batch after each plan is applied
         self._gpu_spans: deque = deque()  # (start, end) events of steps not yet accounted
+        self.staging = InputStaging(self.device)
         if self.is_last:
             # [max_num_seqs] each slot's latest sample, written by the device; read only for a
             # slot with a pending sample, which only its current tenant can have (invariant 3).
@@ -144,7 +159,7 @@ class StageRunner:
         per_req = -(-max(lens) // bs)
         table = np.arange(len(lens) * per_req, dtype=np.int32).reshape(len(lens), per_req)
         caches = allocate_kv_cache(self.spec, self.num_layers, table.size, bs, self.dtype, self.device)
-        meta, _, _ = attention_metadata(table, np.arange(len(lens)), np.zeros(len(lens), np.int64),
+        meta, _, _, _ = attention_metadata(table, np.arange(len(lens)), np.zeros(len(lens), np.int64),
                                         np.array(lens, np.int64), bs, self.device)
         x = torch.zeros(n, dtype=torch.long, device=self.device) if self.is_first else \
             torch.zeros(n, self.spec.hidden_size, dtype=self.dtype, device=self.device)
@@ -211,12 +226,12 @@ class StageRunner:
         inputs = self.prepare_inputs(plan)
         gpu_start = self._record_event()
         if self.is_first:
-            x = torch.from_numpy(inputs.token_ids).to(self.device, non_blocking=True)
+            x = inputs.device.token_ids
             if len(inputs.patch_index):  # pending samples: their ids never left the device
-                x[torch.from_numpy(inputs.patch_index).to(self.device, non_blocking=True)] = \
-                    self.last_sampled[torch.from_numpy(inputs.patch_slot).to(self.device, non_blocking=True)]
+                x = x.clone()  # the staging buffer's view stays as staged
+                x[inputs.device.patch_index] = self.last_sampled[inputs.device.patch_slot]
         else:
-            x = self.transport.recv_from_prev(len(inputs.token_ids), self.spec.hidden_size, self.dtype)
+            x = self.transport.recv_from_prev(inputs.num_tokens, self.spec.hidden_size, self.dtype)
         recv_done = time.time()
         hidden = self._forward(x, inputs.meta)
         # While the device runs the step: the digests of the rows as the plan left them.
@@ -252,12 +267,11 @@ class StageRunner:
 
     def _sample_deferred(self, hidden: torch.Tensor, inputs: "StepInputs", step: "LaunchedStep") -> None:
         b = self.batch
-        index = torch.tensor(inputs.sample_token_index, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.device.sample_token_index))
         params = [b.sampling[r] for r in inputs.sample_slots.tolist()]
         tokens = self.sampler.sample(logits, params, inputs.sample_output_index)
         slots = inputs.sample_slots
-        self.last_sampled[torch.from_numpy(slots).to(self.device, non_blocking=True)] = tokens
+        self.last_sampled[inputs.device.sample_slots] = tokens
         n = len(slots)
         if self.device == "cuda":
             host = self._pinned_tokens[step.step_id % 2][:n]  # double-buffered (invariant 2)
@@ -346,16 +360,14 @@ class StageRunner:
             i = int(unbacked[0])
             raise AssertionError(f"rank {self.rank}: request {plan.scheduled_req_ids[i]!r} runs up to "
                                  f"token {int(ends[i])} but holds {int(b.num_blocks[rows[i]])} KV blocks")
-        meta, token_row, positions = attention_metadata(b.block_table, rows, starts, num_new,
-                                                        self.config.block_size, self.device)
-        query_start_loc = meta.query_start_loc
-        total = len(positions)
+        layout = token_layout(rows, starts, num_new)
+        query_start_loc, token_row, positions = layout
         sample = np.nonzero(ends >= driver_known)[0]
         # The sampled part of a request's tokens: those past the known prefix are drafts. The
         # last rank may know one more token than the driver (its own pending sample, PP=1).
         base = np.maximum(known, driver_known)
         num_verified = ends - base
-        patch_index = patch_slot = _EMPTY
+        patch_index = patch_slot = token_ids = _EMPTY
         if self.is_first:
             token_ids = b.token_ids[token_row, positions]
             pending = positions >= b.num_tokens_known[token_row]
@@ -371,16 +383,20 @@ class StageRunner:
             if poisoned.any():  # a row lost tokens it should know: report, don't crash
                 np.add.at(b.num_conflicts, token_row[poisoned], 1)
                 token_ids[poisoned] = 0
-        else:
-            token_ids = np.empty(total, np.int64)
         sample_slots = rows[sample]
+        sample_token_index = query_start_loc[sample + 1] - 1
+        meta, _, _, moved = attention_metadata(
+            b.block_table, rows, starts, num_new, self.config.block_size, self.device,
+            to_device=self.staging, layout=layout,
+            extras=[token_ids, patch_index, patch_slot, sample_token_index, sample_slots])
         return StepInputs(token_ids=token_ids, rows=rows, meta=meta, num_new=num_new,
+                          num_tokens=len(positions),
                           sample_req_ids=[plan.scheduled_req_ids[i] for i in sample],
                           sample_slots=sample_slots,
-                          sample_token_index=(np.asarray(query_start_loc)[sample + 1] - 1).tolist(),
+                          sample_token_index=sample_token_index.tolist(),
                           sample_output_index=(base[sample] - b.num_prompt_tokens[sample_slots]).tolist(),
                           sample_num_drafts=num_verified[sample].tolist(),
-                          patch_index=patch_index, patch_slot=patch_slot)
+                          patch_index=patch_index, patch_slot=patch_slot, device=DeviceInputs(*moved))
 
     def _sample(self, step_id: int, hidden: torch.Tensor, inputs: StepInputs) -> SamplerOutput:
         b = self.batch

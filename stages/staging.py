@@ -1,0 +1,56 @@
+"""A step's host-to-device inputs in one copy: every int64 array the step needs (positions,
+slot mapping, block tables, decode layout, input ids, sample indices) is packed into one
+pinned host buffer and copied to one device buffer with a single non-blocking copy.
+
+Why: a copy from pageable memory makes the host wait for the device's queue to drain, which
+would serialize the next step's staging behind the running step. Two pinned buffers
+alternate; before one is rewritten, the event recorded after its last copy is waited on, so a
+copy still in flight is never overwritten (docs/invariants.md, 2). The device buffer needs no
+such care: the next copy is queued on the same stream, after the kernels that read it.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class InputStaging:
+    def __init__(self, device: str, capacity: int = 1 << 16) -> None:
+        self.device = device
+        self.is_cuda = device == "cuda"
+        self._capacity = 0
+        self._turn = 0
+        if self.is_cuda:
+            self._grow(capacity)
+
+    def _grow(self, capacity: int) -> None:
+        # Old buffers stay alive while an in-flight copy holds them (torch's caching host
+        # allocator records the copy's stream), so replacing them here is safe.
+        self._capacity = capacity
+        self._host = [torch.empty(capacity, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._host_np = [h.numpy() for h in self._host]
+        self._copied = [None, None]  # the event after each host buffer's last copy
+        self._dev = torch.empty(capacity, dtype=torch.int64, device=self.device)
+
+    def __call__(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """Device int64 tensors with the arrays' shapes and values."""
+        if not self.is_cuda:
+            return [torch.from_numpy(np.ascontiguousarray(a, np.int64)) for a in arrays]
+        total = sum(a.size for a in arrays)
+        if total > self._capacity:
+            self._grow(max(total, 2 * self._capacity))
+        i = self._turn
+        self._turn ^= 1
+        if self._copied[i] is not None:
+            self._copied[i].synchronize()  # normally long done: two steps ago
+        host = self._host_np[i]
+        offsets, off = [], 0
+        for a in arrays:
+            host[off:off + a.size] = a.reshape(-1)
+            offsets.append(off)
+            off += a.size
+        self._dev[:total].copy_(self._host[i][:total], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self._copied[i] = ev
+        return [self._dev[o:o + a.size].view(a.shape) for o, a in zip(offsets, arrays)]
