@@ -56,7 +56,8 @@ def norm_rope(x: torch.Tensor, weight, eps: float, cos: torch.Tensor, sin: torch
     if _fused(x):
         from kernels.layer_ops_triton import norm_rope_triton_
 
-        return norm_rope_triton_(x.contiguous(), weight, eps, cos.contiguous(), sin.contiguous())
+        # in place, on x itself (a strided view of the fused qkv output is fine)
+        return norm_rope_triton_(x, weight, eps, cos.contiguous(), sin.contiguous())
     if weight is not None:
         x = rms_norm_ref(x, weight, eps)
     return rope_ref(x, cos, sin)

@@ -86,7 +86,7 @@ def _decode_rows(query, key_cache, value_cache, block_tables, seq_lens, scale) -
     if query.is_cuda:
         from kernels.decode_attention_triton import paged_decode_attention
 
-        return paged_decode_attention(query.contiguous(), key_cache, value_cache, block_tables,
+        return paged_decode_attention(query, key_cache, value_cache, block_tables,  # strided ok
                                       seq_lens, scale)
     return decode_attention_batched(query, key_cache, value_cache, block_tables, seq_lens, scale)
 

@@ -136,13 +136,27 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hd, spec.rms_norm_eps)
             self.k_norm = RMSNorm(hd, spec.rms_norm_eps)
         self.scale = hd ** -0.5
+        self.qkv_proj: Optional[nn.Linear] = None  # set by fuse(): q, k and v in one GEMM
+
+    def fuse(self) -> None:
+        """One GEMM for q, k and v (half precision on CUDA: fewer, larger kernels). The CPU
+        float32 path keeps three, as transformers computes them."""
+        self.qkv_proj = _concat_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         spec, n = self.spec, x.shape[0]
-        q = self.q_proj(x).view(n, spec.num_heads, spec.head_dim)
-        k = self.k_proj(x).view(n, spec.num_kv_heads, spec.head_dim)
-        v = self.v_proj(x).view(n, spec.num_kv_heads, spec.head_dim)
+        nq, nkv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        if self.qkv_proj is not None:  # views into one output; the kernels take strides
+            qkv = self.qkv_proj(x)
+            q = qkv[:, :nq].view(n, spec.num_heads, spec.head_dim)
+            k = qkv[:, nq:nq + nkv].view(n, spec.num_kv_heads, spec.head_dim)
+            v = qkv[:, nq + nkv:].view(n, spec.num_kv_heads, spec.head_dim)
+        else:
+            q = self.q_proj(x).view(n, spec.num_heads, spec.head_dim)
+            k = self.k_proj(x).view(n, spec.num_kv_heads, spec.head_dim)
+            v = self.v_proj(x).view(n, spec.num_kv_heads, spec.head_dim)
         eps = spec.rms_norm_eps
         q = norm_rope(q, self.q_norm.weight if spec.qk_norm else None, eps, cos, sin)
         k = norm_rope(k, self.k_norm.weight if spec.qk_norm else None, eps, cos, sin)
@@ -160,9 +174,30 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=b)
         self.up_proj = nn.Linear(h, i, bias=b)
         self.down_proj = nn.Linear(i, h, bias=b)
+        self.gate_up_proj: Optional[nn.Linear] = None  # set by fuse()
+
+    def fuse(self) -> None:
+        self.gate_up_proj = _concat_linears(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate_up = self.gate_up_proj(x)
+            i = gate_up.shape[-1] // 2
+            return self.down_proj(silu_and_mul(gate_up[:, :i], gate_up[:, i:]))
         return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+def _concat_linears(*parts: nn.Linear) -> nn.Linear:
+    """One Linear whose output is the parts' outputs side by side."""
+    w = torch.cat([p.weight for p in parts])
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None,
+                      device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(w)
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+    return fused.requires_grad_(False)
 
 
 class DecoderLayer(nn.Module):
@@ -261,6 +296,10 @@ def build_stage(spec: ModelSpec, layer_range: tuple[int, int], is_first: bool, i
     with torch.device("meta"):
         model = StageModel(spec, layer_range, is_first, is_last)
     model.load_checkpoint(dtype, device)
+    if device == "cuda" and dtype != torch.float32:  # where the fused kernels run too
+        for layer in model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
     return model
 
 

@@ -58,3 +58,28 @@ def test_chained_stages_match_hf_logits(tiny_model, arch, pp):
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         ref = hf(prompt.unsqueeze(0)).logits[0]
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_projections_compute_the_same_layer(tiny_model, arch):
+    """fuse() (q/k/v in one GEMM, gate/up in one; on CUDA in half precision) splits the fused
+    output back correctly: the same logits as the three and two separate projections."""
+    model_dir = tiny_model(arch)
+    spec, ranges, (stage,) = _stages(model_dir, 1)
+    prompt = torch.arange(3, 35)
+    n, block_size = len(prompt), 4
+    meta = AttentionMetadata(positions=torch.arange(n), slot_mapping=torch.arange(n),
+                             block_tables=torch.arange(n // block_size).unsqueeze(0),
+                             seq_lens=[n], query_start_loc=[0, n])
+
+    def logits():
+        kv = allocate_kv_cache(spec, spec.num_layers, n // block_size, block_size, torch.float32, "cpu")
+        with torch.inference_mode():
+            return stage.compute_logits(stage(prompt, meta, kv))
+
+    before = logits()
+    for layer in stage.layers:
+        layer.self_attn.fuse()
+        layer.mlp.fuse()
+    assert stage.layers[0].self_attn.qkv_proj is not None and not hasattr(stage.layers[0].self_attn, "q_proj")
+    torch.testing.assert_close(logits(), before, rtol=1e-5, atol=1e-5)
