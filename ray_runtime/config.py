@@ -93,7 +93,11 @@ class EngineConfig:
     placement_strategy: str = "PACK"
     num_cpus_per_stage: float = 1.0
     torch_threads_per_stage: int = 1
-    debug_checks: bool = False  # run every InputBatch.check() each step
+    debug_checks: bool = False  # run every InputBatch.check() each step, and full digests
+    # The ranks' digests move each request's hash by its new tokens; at every this-many-th
+    # digest of a request (and every step under debug_checks) they recompute it from the
+    # whole row, which is what catches a cell corrupted behind every write path's back.
+    digest_full_every: int = 16
     placement_timeout_s: float = 60.0
     # A stage that does not answer a step within this long is an error naming its rank
     # (the first steps on a GPU include kernel compilation: keep it generous).
@@ -134,6 +138,8 @@ class EngineConfig:
                                             f"got {self.placement_strategy!r}")
         if self.max_inflight_steps is not None and self.max_inflight_steps < 1:
             raise bad("max_inflight_steps", f"must be >= 1, got {self.max_inflight_steps}")
+        if not isinstance(self.digest_full_every, int) or self.digest_full_every < 1:
+            raise bad("digest_full_every", f"must be an integer >= 1, got {self.digest_full_every!r}")
         if not self.step_timeout_s > 0:
             raise bad("step_timeout_s", f"must be > 0, got {self.step_timeout_s}")
         if self.on_mismatch not in ("repair", "raise"):

@@ -44,3 +44,22 @@ def rows_hash(token_ids: np.ndarray, rows: np.ndarray, lengths: np.ndarray) -> n
     block[np.arange(width)[None, :] >= lengths[:, None]] = 0
     with np.errstate(over="ignore"):
         return (block * w[None, :]).sum(axis=1, dtype=np.uint64)
+
+
+def spans_hash_delta(token_ids: np.ndarray, rows: np.ndarray, start: np.ndarray,
+                     end: np.ndarray) -> np.ndarray:
+    """Per row, the sum of token_ids[row, i] * W[i] over i in [start, end) (mod 2**64): what
+    moves a row's hash from length `start` to length `end` (start <= end). O(tokens in the
+    spans): a decode step's span is one token."""
+    n = end - start
+    out = np.zeros(len(rows), np.uint64)
+    total = int(n.sum())
+    if total == 0:
+        return out
+    which = np.repeat(np.arange(len(rows)), n)
+    pos = np.arange(total) - np.repeat(np.cumsum(n) - n, n) + np.repeat(start, n)
+    w = hash_weights(int(end.max()))
+    with np.errstate(over="ignore"):
+        terms = token_ids[rows[which], pos].astype(np.uint64) * w[pos]
+    np.add.at(out, which, terms)
+    return out

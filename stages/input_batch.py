@@ -25,7 +25,7 @@ from typing import Optional
 
 import numpy as np
 
-from ray_runtime.digest import rows_hash
+from ray_runtime.digest import rows_hash, spans_hash_delta
 from ray_runtime.messages import CachedRequestData, NewRequestData, RowDigest, StepPlan
 from ray_runtime.sampling_params import SamplingParams
 
@@ -37,7 +37,7 @@ class InputBatch:
     _ROW_SCALARS = ("num_tokens_known", "num_prompt_tokens", "num_computed_tokens",
                     "num_blocks", "incarnation", "last_sampled_token", "num_conflicts",
                     "num_draft_tokens", "num_unresolved_drafts", "num_draft_computed",
-                    "num_pending_samples")
+                    "num_pending_samples", "hash_len", "hash_val", "num_digests")
 
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
         self.max_num_seqs = max_num_seqs
@@ -69,6 +69,14 @@ class InputBatch:
         # by as many positions; the latest one's value is in the runner's device buffer, and
         # each lands here, oldest first, when its step finishes (`land_samples`).
         self.num_pending_samples = np.zeros(max_num_seqs, np.int64)
+        # The digest's running hash: token_hash over token_ids[slot, :hash_len] (see
+        # ray_runtime/digest.py), moved to each step's driver length in O(tokens moved). A
+        # write below hash_len rewinds hash_len to it; a full recompute (every
+        # digest_full_every steps, and every step under debug_checks) catches what no write
+        # path saw (a corrupted cell) and resets the running state.
+        self.hash_len = np.zeros(max_num_seqs, np.int64)
+        self.hash_val = np.zeros(max_num_seqs, np.uint64)
+        self.num_digests = np.zeros(max_num_seqs, np.int64)  # digests of the slot's tenant
         self.sampling: list[Optional[SamplingParams]] = [None] * max_num_seqs
         self._free_slots = list(range(max_num_seqs))  # a min-heap
         self.num_unknown_removals = 0  # removals of requests this rank never held
@@ -113,6 +121,9 @@ class InputBatch:
         self.num_unresolved_drafts[row] = 0
         self.num_draft_computed[row] = 0
         self.num_pending_samples[row] = 0
+        self.hash_len[row] = 0  # the running hash starts over for the new tenant
+        self.hash_val[row] = 0
+        self.num_digests[row] = 0
         self.sampling[row] = new.sampling
         self.generation[row] += 1
         return row
@@ -165,6 +176,8 @@ class InputBatch:
         end = start + len(tokens)
         if end > self.max_model_len:
             raise ValueError(f"request {req_id!r}: {end} tokens > max_model_len {self.max_model_len}")
+        if start < self.hash_len[row]:  # the running hash covers cells about to be rewritten
+            self._rewind_hash(row, start)
         overlap = min(end, known) - start
         if overlap == 1:  # the common case (a decode step's token): no array round trip
             self.num_conflicts[row] += int(self.token_ids[row, start]) != tokens[0]
@@ -280,8 +293,11 @@ class InputBatch:
         heapq.heappush(self._free_slots, slot)
         return True
 
-    def digests(self, plan: StepPlan) -> list[RowDigest]:
-        """Fingerprints of every row the plan touched, over the prefix the driver knows of."""
+    def digests(self, plan: StepPlan, full: bool = False, full_every: int = 0) -> list[RowDigest]:
+        """Fingerprints of every row the plan touched, over the prefix the driver knows of.
+        The running hashes move by the tokens since the last digest; a row's hash is
+        recomputed from its contents instead (and the running state reset to that) when
+        `full`, and at every full_every-th digest of that row (0: never on its own)."""
         driver_known = {n.req_id: len(n.token_ids) for n in plan.new_reqs}
         for d in plan.cached_reqs:
             driver_known[d.req_id] = d.token_start + len(d.new_token_ids)
@@ -290,17 +306,35 @@ class InputBatch:
         req_ids = [r for r in plan.scheduled_req_ids if r in driver_known]
         rows = np.array([self.req_id_to_slot[r] for r in req_ids], np.int64)
         lengths = np.array([driver_known[r] for r in req_ids], np.int64)
-        drafts = self.num_draft_tokens[rows] if len(rows) else np.zeros(0, np.int64)
-        # Drafts follow the known prefix, so one hash over both covers them (issue 5).
-        hashes = rows_hash(self.token_ids, rows, lengths + drafts)
-        return [RowDigest(req_id=r, incarnation=int(self.incarnation[row]),
-                          num_tokens_known=int(self.num_tokens_known[row]), hash_length=int(n),
-                          num_computed_tokens=int(self.num_computed_tokens[row]),
-                          token_hash=int(h), num_conflicts=int(self.num_conflicts[row]),
-                          num_draft_tokens=int(nd))
-                for r, row, n, h, nd in zip(req_ids, rows, lengths, hashes, drafts)]
+        have = self.hash_len[rows]
+        fwd = spans_hash_delta(self.token_ids, rows, np.minimum(have, lengths), lengths)
+        back = spans_hash_delta(self.token_ids, rows, np.minimum(have, lengths), have)
+        with np.errstate(over="ignore"):
+            known_hash = self.hash_val[rows] + fwd - back
+        self.num_digests[rows] += 1
+        recompute = np.ones(len(rows), bool) if full else \
+            (self.num_digests[rows] % full_every == 0 if full_every else np.zeros(len(rows), bool))
+        if recompute.any():
+            known_hash[recompute] = rows_hash(self.token_ids, rows[recompute], lengths[recompute])
+        self.hash_val[rows] = known_hash
+        self.hash_len[rows] = lengths
+        drafts = self.num_draft_tokens[rows]
+        # Drafts follow the known prefix, so one hash over both covers them.
+        with np.errstate(over="ignore"):
+            hashes = known_hash + spans_hash_delta(self.token_ids, rows, lengths, lengths + drafts)
+        return [RowDigest(*fields) for fields in zip(
+            req_ids, self.incarnation[rows].tolist(), self.num_tokens_known[rows].tolist(),
+            lengths.tolist(), self.num_computed_tokens[rows].tolist(), hashes.tolist(),
+            self.num_conflicts[rows].tolist(), drafts.tolist())]
 
     # ---- internals -----------------------------------------------------------------------
+    def _rewind_hash(self, row: int, length: int) -> None:
+        start = np.array([length], np.int64)
+        delta = spans_hash_delta(self.token_ids, np.array([row]), start, self.hash_len[row:row + 1])
+        with np.errstate(over="ignore"):
+            self.hash_val[row] -= delta[0]
+        self.hash_len[row] = length
+
     def _take_free_slot(self) -> int:
         if not self._free_slots:
             raise RuntimeError(f"InputBatch full: max_num_seqs={self.max_num_seqs}")

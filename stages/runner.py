@@ -236,7 +236,8 @@ class StageRunner:
         hidden = self._forward(x, inputs.meta)
         # While the device runs the step: the digests of the rows as the plan left them.
         t_digest = time.perf_counter()
-        digests = self.batch.digests(plan)
+        cfg = self.config
+        digests = self.batch.digests(plan, full=cfg.debug_checks, full_every=cfg.digest_full_every)
         digest_s = time.perf_counter() - t_digest
         self.batch.mark_computed_rows(inputs.rows, inputs.num_new)
         step = LaunchedStep(plan.step_id, start, recv_done, digests, digest_s, gpu_start)

@@ -1,0 +1,46 @@
+"""The ranks' running digest hashes: moved by each step's new tokens, they must equal the full
+recompute from the row's contents after every step of a real workload (chunked prefill,
+staggered finishes, slot reuse, overlapped steps, seeded sampling), and a corrupted cell that
+no write path saw is invisible to them until the next full recompute."""
+from __future__ import annotations
+
+import numpy as np
+
+from ray_runtime.messages import NewRequestData, StepPlan
+from ray_runtime.sampling_params import SamplingParams
+from stages.input_batch import InputBatch
+from tests.conftest import stress_workload
+from tests.stages.test_overlap import _run
+
+
+def test_running_hash_equals_full_recompute_every_step(tiny_model, monkeypatch):
+    compared = []
+    real = InputBatch.digests
+
+    def both(self, plan, full=False, full_every=0):
+        incremental = real(self, plan)
+        recomputed = real(self, plan, full=True)
+        assert incremental == recomputed, f"step {plan.step_id}: running hash drifted"
+        compared.append(len(incremental))
+        return incremental
+
+    monkeypatch.setattr(InputBatch, "digests", both)
+    prompts, budgets = stress_workload(seed=43, num_requests=12, max_len=100)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.7, seed=i)
+              for i, m in enumerate(budgets)]
+    _run(tiny_model("qwen3"), prompts, params, overlapped=True)
+    assert len(compared) > 15 and sum(compared) > 60
+
+
+def test_a_corrupted_cell_is_caught_by_the_full_recompute_only():
+    b = InputBatch(2, 32, 16)
+    new = NewRequestData("A", 1, list(range(10, 20)), 10, 0, [1], SamplingParams())
+    plan = StepPlan(0, [], [new], [], ["A"], [10])
+    b.apply_plan(plan)
+    clean = b.digests(plan)[0].token_hash
+    b.token_ids[0, 3] += 1  # behind every write path's back
+    assert b.digests(plan)[0].token_hash == clean, "the running hash cannot see it"
+    assert b.digests(plan, full=True)[0].token_hash != clean
+    # and the running state now carries the recomputed (true) value
+    assert b.digests(plan)[0].token_hash != clean
+    assert b.hash_len[0] == 10 and b.hash_val[0] != np.uint64(0)
