@@ -33,6 +33,7 @@ POISON = -1  # token id stored past a row's known prefix; embedding it fails lou
 
 
 class InputBatch:
+    array_path_min = 8  # update_many: below this many simple deltas, a loop is faster
     # Per-slot numpy fields other than token_ids and block_table; `_clear_row` resets them all.
     _ROW_SCALARS = ("num_tokens_known", "num_prompt_tokens", "num_computed_tokens",
                     "num_blocks", "incarnation", "last_sampled_token", "num_conflicts",
@@ -88,8 +89,59 @@ class InputBatch:
             self.remove(req_id)
         for new in plan.new_reqs:
             self.add(new)
-        for delta in plan.cached_reqs:
-            self.update(delta)
+        self.update_many(plan.cached_reqs)
+
+    def update_many(self, deltas: list[CachedRequestData]) -> None:
+        """update() for each delta. The common one (a single token, no drafts either side, no
+        block rollback) runs as array operations; any other, or one that update() would
+        refuse, goes through update() itself."""
+        simple = [d for d in deltas if len(d.new_token_ids) == 1 and d.block_start is None
+                  and not d.draft_token_ids]
+        if len(simple) < self.array_path_min:
+            for d in deltas:
+                self.update(d)
+            return
+        rows = np.fromiter((self.req_id_to_slot[d.req_id] for d in simple), np.int64, len(simple))
+        starts = np.fromiter((d.token_start for d in simple), np.int64, len(simple))
+        tokens = np.fromiter((d.new_token_ids[0] for d in simple), np.int64, len(simple))
+        known = self.num_tokens_known[rows]
+        grows = starts >= known
+        nblocks = np.fromiter((len(d.new_block_ids) for d in simple), np.int64, len(simple))
+        fast = (self.num_draft_tokens[rows] == 0) & (self.num_unresolved_drafts[rows] == 0) \
+            & (starts <= known) & ~(grows & (self.num_pending_samples[rows] > 0)) \
+            & (starts + 1 <= self.max_model_len) \
+            & (self.num_blocks[rows] + nblocks <= self.block_table.shape[1])
+        for d, ok in zip(simple, fast.tolist()):
+            if not ok:
+                self.update(d)
+        for d in deltas:
+            if not (len(d.new_token_ids) == 1 and d.block_start is None and not d.draft_token_ids):
+                self.update(d)
+        rows, starts, tokens, known, grows = rows[fast], starts[fast], tokens[fast], known[fast], grows[fast]
+        fast_deltas = [d for d, ok in zip(simple, fast.tolist()) if ok]
+        rewind = starts < self.hash_len[rows]  # the running hash covers the cell
+        if rewind.any():
+            r = rows[rewind]
+            with np.errstate(over="ignore"):
+                self.hash_val[r] -= spans_hash_delta(self.token_ids, r, starts[rewind], self.hash_len[r])
+            self.hash_len[r] = starts[rewind]
+        overlap = ~grows
+        np.add.at(self.num_conflicts, rows[overlap], self.token_ids[rows[overlap], starts[overlap]]
+                  != tokens[overlap])
+        self.token_ids[rows, starts] = tokens
+        known = np.maximum(known, starts + 1)  # grows from its own value only (invariant 1)
+        self.num_tokens_known[rows] = known
+        self.last_sampled_token[rows] = self.token_ids[rows, known - 1]
+        counted = np.fromiter((not d.self_drafted for d in fast_deltas), bool, len(fast_deltas))
+        if counted.any():  # the driver's count is canonical (no drafts: it must equal ours)
+            r = rows[counted]
+            theirs = np.fromiter((d.num_computed_tokens for d, c in zip(fast_deltas, counted) if c),
+                                 np.int64, int(counted.sum()))
+            self.num_conflicts[r] += self.num_computed_tokens[r] != theirs
+            self.num_computed_tokens[r] = theirs
+        for d, row in zip(fast_deltas, rows.tolist()):
+            if d.new_block_ids:
+                self._append_blocks(row, d.new_block_ids)
 
     # ---- rows ----------------------------------------------------------------------------
     @property

@@ -120,9 +120,11 @@ def _room(m: ReqModel) -> int:
 
 # ---- 1. the stateful model test ------------------------------------------------------------
 class InputBatchMachine(RuleBasedStateMachine):
-    @initialize()
-    def setup(self):
+    @initialize(array_path=st.booleans())
+    def setup(self, array_path):
         self.batch = InputBatch(MAX_SEQS, MAX_LEN, BS)
+        if array_path:  # update_many's array path even for this small batch's plans
+            self.batch.array_path_min = 1
         self.model: dict[str, ReqModel] = {}
         self.rows: dict[str, int] = {}  # where the model expects each request
         self.prev_tenants = list(self.batch.req_ids)  # for the generation check
