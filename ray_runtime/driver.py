@@ -190,7 +190,9 @@ class Driver:
             self.trace.stage_step(res.rank, res.step_id, res.timing)
             self._digest_s[res.rank] += res.timing.digest_s
             self._gpu_busy_s[res.rank] += res.timing.gpu_busy_s
-            digests = [d for d in res.digests if d.req_id not in record.self_drafted]
+            digests = res.digests
+            if record.self_drafted:  # uncorrected self-drafted steps are not audited
+                digests = [d for d in digests if d.req_id not in record.self_drafted]
             for m in audit(record.expected, digests, res.rank, res.rank == last):
                 self._num_mismatches += 1
                 logger.warning("%s (step %d)", m, record.plan.step_id)

@@ -7,6 +7,7 @@ allocation here is valid on every rank. Check-then-commit: `can_allocate` change
 from __future__ import annotations
 
 from collections import deque
+from typing import Optional
 
 
 class BlockManager:
@@ -15,6 +16,9 @@ class BlockManager:
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
         self._owned: dict[str, list[int]] = {}
+        # owned_of(req_id): the list of blocks req_id owns, or None; read-only for callers
+        # (the scheduler's per-request fast path: no call of ours around a dict lookup).
+        self.owned_of = self._owned.get
 
     def blocks_needed(self, req_id: str, num_tokens: int) -> int:
         have = len(self._owned.get(req_id, ()))
@@ -30,6 +34,27 @@ class BlockManager:
         new = [self._free.popleft() for _ in range(n)]
         self._owned.setdefault(req_id, []).extend(new)
         return new
+
+    def reserve(self, req_id: str, num_tokens: int) -> Optional[tuple[int, list[int]]]:
+        """can_allocate, num_owned and allocate in one lookup (the scheduler's per-request
+        path): (blocks req_id owned before, the new block ids), or None when the pool lacks
+        them (then nothing changes)."""
+        owned = self._owned.get(req_id)
+        have = 0 if owned is None else len(owned)
+        n = -(-num_tokens // self.block_size) - have
+        if n <= 0:
+            if owned is None:
+                self._owned[req_id] = []
+            return have, []
+        free = self._free
+        if n > len(free):
+            return None
+        new = [free.popleft() for _ in range(n)]
+        if owned is None:
+            self._owned[req_id] = new[:]
+        else:
+            owned.extend(new)
+        return have, new
 
     def num_owned(self, req_id: str) -> int:
         return len(self._owned.get(req_id, ()))

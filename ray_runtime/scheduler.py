@@ -23,14 +23,22 @@ audit expectation) before that step's own result is read.
 Draft counts depend on the budget: a request's drafts are trimmed to what is left of it
 (sync, PP>1) and a self-drafted step is only planned when 1 + k tokens fit (PP=1 async), so
 sync and async verify the same drafts when the budget does not bind.
+
+Cost (bench/driver_cost.py): a step's planning and commit are O(requests it schedules +
+running requests + requests that finish), nothing per waiting request: one pass over
+`running` builds the plan's deltas and each request's audit expectation (a Struct of ints)
+and moves its counts; a committed token extends the request's hash in O(1); finished
+requests are kept aside for pop_finished. Empty list fields of a plan share one list.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from operator import attrgetter
 from typing import Optional
 
-from ray_runtime.digest import extend_hash
+import msgspec
+
 from ray_runtime.kv_blocks import BlockManager
 from ray_runtime.messages import (
     CachedRequestData,
@@ -38,12 +46,18 @@ from ray_runtime.messages import (
     SamplerOutput,
     StepPlan,
 )
-from ray_runtime.request import Request, RequestStatus
+from ray_runtime.request import Request, RequestStatus, hash_extend
+
+_RUNNING = RequestStatus.RUNNING
+_FINISHED = RequestStatus.FINISHED
+# An empty list field of a plan (tokens, blocks or drafts), shared: plans are read-only to
+# every consumer, and a fresh list per field per request per step is measurable churn.
+_EMPTY: list[int] = []
 
 
-@dataclass
-class Expectation:
-    """The driver's view of one request when a plan left, for the reconciliation audit."""
+class Expectation(msgspec.Struct, gc=False):
+    """The driver's view of one request when a plan left, for the reconciliation audit.
+    (A Struct of ints: built for every scheduled request of every step, so it must be cheap.)"""
 
     incarnation: int
     num_tokens_known: int
@@ -52,16 +66,53 @@ class Expectation:
     num_draft_tokens: int = 0
 
 
-@dataclass
 class PlanRecord:
-    plan: StepPlan
-    incarnations: dict[str, int]  # of every scheduled request
-    sampling: set[str]  # requests this step will sample a token for
-    expected: dict[str, Expectation]
-    num_drafts: dict[str, int] = field(default_factory=dict)  # drafts verified per request
-    # Self-drafted requests whose expectation is not corrected yet (their previous step has
-    # not returned, or its result was dropped: then so is this one's, unaudited).
-    self_drafted: set[str] = field(default_factory=set)
+    """A launched plan and what the driver expects of it, per scheduled request."""
+
+    __slots__ = ("plan", "expected", "sampling", "self_drafted")
+
+    def __init__(self, plan: Optional[StepPlan], expected: dict[str, Expectation],
+                 sampling: set[str], self_drafted: Optional[set[str]] = None) -> None:
+        self.plan = plan
+        # Every scheduled request, in plan order: its incarnation, the drafts this step
+        # verifies (num_draft_tokens) and the audit's view.
+        self.expected = expected
+        self.sampling = sampling  # requests this step will sample a token for
+        # Self-drafted requests whose expectation is not corrected yet (their previous step has
+        # not returned, or its result was dropped: then so is this one's, unaudited).
+        self.self_drafted = set() if self_drafted is None else self_drafted
+
+    @property
+    def incarnations(self) -> Mapping[str, int]:
+        """Of every scheduled request: a read-only view of `expected`."""
+        return _ExpectationField(self.expected, "incarnation")
+
+    @property
+    def num_drafts(self) -> Mapping[str, int]:
+        """Drafts verified per scheduled request: a read-only view of `expected`."""
+        return _ExpectationField(self.expected, "num_draft_tokens")
+
+
+class _ExpectationField(Mapping):
+    """One field of every Expectation of a record, as a read-only mapping by request id."""
+
+    __slots__ = ("_expected", "_field")
+
+    def __init__(self, expected: dict[str, Expectation], field: str) -> None:
+        self._expected = expected
+        self._field = field
+
+    def __getitem__(self, req_id: str) -> int:
+        return getattr(self._expected[req_id], self._field)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._expected)
+
+    def __len__(self) -> int:
+        return len(self._expected)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
 
 
 class Scheduler:
@@ -78,6 +129,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self._finished: list[Request] = []  # retired since the last pop_finished
+        self._num_added = 0
         self._removed_since_last_plan: list[str] = []
         self._next_step_id = 0
         self.num_preemptions = 0
@@ -98,6 +151,8 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         assert req.req_id not in self.requests, f"duplicate request id {req.req_id!r}"
         self.requests[req.req_id] = req
+        req.add_seq = self._num_added
+        self._num_added += 1
         self.waiting.append(req)
 
     def abort_request(self, req_id: str) -> None:
@@ -111,72 +166,125 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def pop_finished(self) -> list[Request]:
-        done = [r for r in self.requests.values() if r.is_finished]
+        """The requests finished since the last call, in the order they were added; they
+        leave `requests`. O(finished): no scan of the queue."""
+        done = self._finished
+        if not done:
+            return []
+        self._finished = []
+        done.sort(key=attrgetter("add_seq"))
+        requests = self.requests
         for r in done:
-            del self.requests[r.req_id]
+            del requests[r.req_id]
         return done
 
     # ---- planning ------------------------------------------------------------------------
     def schedule(self) -> Optional[PlanRecord]:
         """The next step's plan, or None when nothing can run now."""
         budget = self.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
-        chosen: set[str] = set()
+        k = self.num_lookahead
+        mml = self.max_model_len
+        allow_placeholders = self.allow_placeholders
+        blocks = self.blocks
+        block_size = blocks.block_size
+        owned_of = blocks.owned_of
         new_reqs: list[NewRequestData] = []
         cached: list[CachedRequestData] = []
-        drafts_of: dict[str, list[int]] = {}
+        cached_append = cached.append
+        # Per scheduled request, in plan order: the audit's view (its keys are the plan's
+        # order), the request and its tokens this step; the requests that will sample.
+        expected: dict[str, Expectation] = {}
+        reqs: list[Request] = []
+        nums: list[int] = []
+        sampling: set[str] = set()
+        sampling_add = sampling.add
+        num_placeholder_tokens = 0
         self_drafted_reqs: list[Request] = []
         preempted = False
 
-        for req in list(self.running):
+        for req in self.running[:]:
             if budget <= 0:
                 break
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not _RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = req.num_tokens - req.num_computed_tokens
-            drafts: list[int] = []
+            computed = req.num_computed_tokens
+            token_ids = req.token_ids
+            num_tokens = len(token_ids)
+            num_new = num_tokens - computed
+            drafts = _EMPTY
             self_drafted = False
             if num_new <= 0:
-                if not self._can_placeholder(req):
+                # A placeholder: one step ahead of the sampler (its one pending sample is
+                # this step's input), never past what max_tokens or the context allow.
+                if not (allow_placeholders and req.num_pending_samples == 1
+                        and req.num_inflight_steps == 1
+                        and num_tokens + 1 < req.length_limit  # outputs + pending < max
+                        and computed + 1 + 2 * k < mml):
                     continue
                 num_new = 1
-                if self.num_lookahead:
-                    if budget < 1 + self.num_lookahead:
+                if k:
+                    if budget < 1 + k:
                         continue
-                    num_new, self_drafted = 1 + self.num_lookahead, True
+                    num_new, self_drafted = 1 + k, True
             elif num_new == 1 and req.draft_token_ids and req.num_inflight_steps == 0:
                 drafts = req.draft_token_ids[:budget - 1]
                 num_new += len(drafts)
-            num_new = min(num_new, budget)
-            fits = True
-            while not self.blocks.can_allocate(req.req_id, self._kv_target(req, num_new)):
-                victim = self._pick_victim(chosen)
-                if victim is None:
-                    fits = False
-                    break
-                if victim is req and len(self.running) == 1:
-                    raise self._too_big(req, self._kv_target(req, num_new))
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    fits = False
-                    break
-            if not fits:
-                break  # later requests are younger: they would only preempt older ones
-            block_start = self.blocks.num_owned(req.req_id)
-            new_blocks = self.blocks.allocate(req.req_id, self._kv_target(req, num_new))
-            cached.append(CachedRequestData(
-                req_id=req.req_id, token_start=req.num_tokens_sent,
-                new_token_ids=req.token_ids[req.num_tokens_sent:], new_block_ids=new_blocks,
-                num_computed_tokens=req.num_computed_tokens, block_start=block_start,
-                draft_token_ids=drafts, self_drafted=self_drafted))
-            req.num_tokens_sent = req.num_tokens
-            req.draft_token_ids = []  # spent: the next proposal comes with this step's result
-            drafts_of[req.req_id] = drafts
+            if num_new > budget:
+                num_new = budget
+            target = computed + num_new + k  # _kv_target(req, num_new)
+            if target > mml:
+                target = mml
+            req_id = req.req_id
+            owned = owned_of(req_id)
+            if owned is not None and -(-target // block_size) <= len(owned):
+                block_start, new_blocks = len(owned), _EMPTY  # the common decode step
+            else:
+                got = blocks.reserve(req_id, target)
+                if got is None:
+                    fits = True
+                    while not blocks.can_allocate(req_id, target):
+                        victim = self._pick_victim(expected)
+                        if victim is None:
+                            fits = False
+                            break
+                        if victim is req and len(self.running) == 1:
+                            self._unplan(reqs, nums, sampling)
+                            raise self._too_big(req, target)
+                        self._preempt(victim)
+                        preempted = True
+                        if victim is req:
+                            fits = False
+                            break
+                    if not fits:
+                        break  # later requests are younger: they would only preempt older ones
+                    got = blocks.reserve(req_id, target)
+                block_start, new_blocks = got
+            sent = req.num_tokens_sent
+            cached_append(CachedRequestData(
+                req_id, sent, token_ids[sent:] if sent < num_tokens else _EMPTY, new_blocks,
+                computed, block_start, drafts, self_drafted))
+            req.num_tokens_sent = num_tokens
+            if drafts:
+                expected[req_id] = Expectation(
+                    req.incarnation, num_tokens, hash_extend(req.token_hash, num_tokens, drafts),
+                    computed, len(drafts))
+            else:
+                expected[req_id] = Expectation(req.incarnation, num_tokens, req.token_hash,
+                                               computed, 0)
+            if req.draft_token_ids:
+                req.draft_token_ids = []  # spent: the next proposal comes with this step's result
             if self_drafted:
                 self_drafted_reqs.append(req)
-            scheduled.append((req, num_new))
-            chosen.add(req.req_id)
+            if computed >= num_tokens:
+                num_placeholder_tokens += num_new
+            computed += num_new
+            req.num_computed_tokens = computed
+            req.num_inflight_steps += 1
+            if computed >= num_tokens:
+                sampling_add(req_id)
+                req.num_pending_samples += 1
+            reqs.append(req)
+            nums.append(num_new)
             budget -= num_new
 
         # Admitting after a preemption in the same step would only thrash.
@@ -185,55 +293,57 @@ class Scheduler:
             req = self.waiting[0]
             req.num_computed_tokens = 0
             whole = self._kv_target(req, req.num_tokens)
-            if self.blocks.blocks_needed(req.req_id, whole) > self.blocks.num_blocks:
+            if blocks.blocks_needed(req.req_id, whole) > blocks.num_blocks:
+                self._unplan(reqs, nums, sampling)
                 raise self._too_big(req, whole)
             num_new = min(req.num_tokens, budget)
-            if not self.blocks.can_allocate(req.req_id, self._kv_target(req, num_new)):
+            if not blocks.can_allocate(req.req_id, self._kv_target(req, num_new)):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.incarnation += 1
             req.draft_token_ids = []
             self.running.append(req)
-            new_blocks = self.blocks.allocate(req.req_id, self._kv_target(req, num_new))
+            new_blocks = blocks.allocate(req.req_id, self._kv_target(req, num_new))
             new_reqs.append(NewRequestData(
                 req_id=req.req_id, incarnation=req.incarnation, token_ids=list(req.token_ids),
                 num_prompt_tokens=req.num_prompt_tokens, num_computed_tokens=0,
                 block_ids=new_blocks, sampling=req.sampling))
-            req.num_tokens_sent = req.num_tokens
-            scheduled.append((req, num_new))
+            num_tokens = len(req.token_ids)
+            req.num_tokens_sent = num_tokens
+            expected[req.req_id] = Expectation(req.incarnation, num_tokens, req.token_hash, 0, 0)
+            req.num_computed_tokens = num_new
+            req.num_inflight_steps += 1
+            if num_new >= num_tokens:
+                sampling_add(req.req_id)
+                req.num_pending_samples += 1
+            reqs.append(req)
+            nums.append(num_new)
             budget -= num_new
 
-        if not scheduled:
+        if not reqs:
             return None
         step_id = self._next_step_id
         self._next_step_id += 1
-        record = PlanRecord(plan=None, incarnations={}, sampling=set(), expected={},
-                            self_drafted={r.req_id for r in self_drafted_reqs})
+        record = PlanRecord(None, expected, sampling,
+                            {r.req_id for r in self_drafted_reqs} if self_drafted_reqs else None)
         for req in self_drafted_reqs:
             req.self_drafted_record = record
-        for req, n in scheduled:
-            drafts = drafts_of.get(req.req_id, [])
-            record.num_drafts[req.req_id] = len(drafts)
-            record.expected[req.req_id] = Expectation(
-                req.incarnation, req.num_tokens,
-                extend_hash(req.token_hash, req.num_tokens, drafts) if drafts else req.token_hash,
-                req.num_computed_tokens, len(drafts))
-            record.incarnations[req.req_id] = req.incarnation
-            if req.num_computed_tokens >= req.num_tokens:
-                self.num_placeholder_tokens += n
-            req.num_computed_tokens += n
-            req.num_inflight_steps += 1
-            if req.num_computed_tokens >= req.num_tokens:
-                record.sampling.add(req.req_id)
-                req.num_pending_samples += 1
+        self.num_placeholder_tokens += num_placeholder_tokens
         self.num_steps += 1
-        self.num_scheduled_tokens_total += sum(n for _, n in scheduled)
+        self.num_scheduled_tokens_total += self.max_num_batched_tokens - budget
         removed, self._removed_since_last_plan = self._removed_since_last_plan, []
-        record.plan = StepPlan(step_id=step_id, removed_req_ids=removed, new_reqs=new_reqs,
-                               cached_reqs=cached, scheduled_req_ids=[r.req_id for r, _ in scheduled],
-                               num_scheduled_tokens=[n for _, n in scheduled])
+        record.plan = StepPlan(step_id, removed, new_reqs, cached, list(expected), nums)
         return record
+
+    def _unplan(self, reqs: list[Request], nums: list[int], sampling: set[str]) -> None:
+        """Planning raises: take back the counts of the requests planned so far in this
+        step (what else planning changed stays, as it always has)."""
+        for req, n in zip(reqs, nums):
+            req.num_computed_tokens -= n
+            req.num_inflight_steps -= 1
+            if req.req_id in sampling:
+                req.num_pending_samples -= 1
 
     def _too_big(self, req: Request, num_tokens: int) -> RuntimeError:
         return RuntimeError(
@@ -246,16 +356,7 @@ class Scheduler:
         that the draft model writes after it (never past max_model_len)."""
         return min(req.num_computed_tokens + num_new + self.num_lookahead, self.max_model_len)
 
-    def _can_placeholder(self, req: Request) -> bool:
-        """One step ahead of the sampler, never past what max_tokens or the context allow."""
-        k = self.num_lookahead
-        return (self.allow_placeholders and req.num_pending_samples == 1
-                and req.num_inflight_steps == 1
-                and req.num_computed_tokens >= req.num_tokens
-                and req.num_output_tokens + req.num_pending_samples < req.sampling.max_tokens
-                and req.num_computed_tokens + 1 + 2 * k < self.max_model_len)
-
-    def _pick_victim(self, chosen: set[str]) -> Optional[Request]:
+    def _pick_victim(self, chosen) -> Optional[Request]:
         # The most recently admitted request with no step in flight and none in this plan.
         for req in reversed(self.running):
             if req.num_inflight_steps == 0 and req.req_id not in chosen:
@@ -291,6 +392,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.blocks.free(req.req_id)
+        self._finished.append(req)
 
     # ---- results -------------------------------------------------------------------------
     def update_from_output(self, record: PlanRecord, out: SamplerOutput,
@@ -298,55 +400,93 @@ class Scheduler:
         """Commit the last rank's sampled tokens for a step. A result for a request that was
         finished, aborted or re-admitted since (older incarnation) is dropped, and so are the
         requests in `discard` (found inconsistent by the audit)."""
-        for req_id, incarnation in record.incarnations.items():
-            req = self.requests.get(req_id)
-            if req is not None and req.incarnation == incarnation \
-                    and req.status is RequestStatus.RUNNING:
+        requests = self.requests
+        expected = record.expected
+        sampling = record.sampling
+        for req_id, exp in expected.items():
+            req = requests.get(req_id)
+            if req is not None and req.incarnation == exp.incarnation \
+                    and req.status is _RUNNING:
                 req.num_inflight_steps -= 1
-                if req_id in record.sampling:
+                if req_id in sampling:
                     req.num_pending_samples -= 1
-        for i, (req_id, incarnation, tokens) in enumerate(
-                zip(out.req_ids, out.incarnations, out.sampled_token_ids)):
-            req = self.requests.get(req_id)
-            if req is None or req.is_finished or req.incarnation != incarnation \
-                    or req.status is not RequestStatus.RUNNING or req_id in discard:
-                self.num_dropped_samples += len(tokens)
-                continue
-            drafted = record.num_drafts.get(req_id, 0)
-            verified = drafted if out.num_draft_tokens is None else out.num_draft_tokens[i]
-            if verified != drafted:
-                raise RuntimeError(f"request {req_id!r}: the last rank verified {verified} drafts "
-                                   f"but the plan had {drafted}")
-            self._settle_drafts(req, drafted, len(tokens) - 1)
-            with_lp = out.logprob_token_ids is not None and bool(out.logprob_token_ids[i])
-            for j, tok in enumerate(tokens):
-                if with_lp:
-                    req.logprobs.append((dict(zip(out.logprob_token_ids[i][j], out.logprobs[i][j])),
-                                         out.num_logprob_ranks[i][j]))
-                req.append_output_token(tok, self.max_model_len)
-                self.num_generated_tokens += 1
-                if req.is_finished:
-                    self._retire(req)
-                    break
-            if req.self_drafted_record is record:
-                req.self_drafted_record = None
-            if not req.is_finished and out.draft_token_ids is not None:
-                nxt = req.self_drafted_record
-                if nxt is not None:  # the rank already runs these drafts in that step
-                    self._correct_self_drafted(req, nxt, list(out.draft_token_ids[i]))
+        num_draft_tokens = out.num_draft_tokens
+        logprob_token_ids = out.logprob_token_ids
+        draft_token_ids = out.draft_token_ids
+        mml = self.max_model_len
+        num_generated = 0
+        # Finished requests leave `running` in one pass at the end (not one list.remove each).
+        retired: list[Request] = []
+        try:
+            for i, (req_id, incarnation, tokens) in enumerate(
+                    zip(out.req_ids, out.incarnations, out.sampled_token_ids)):
+                req = requests.get(req_id)
+                if req is None or req.status is not _RUNNING or req.incarnation != incarnation \
+                        or req_id in discard:
+                    self.num_dropped_samples += len(tokens)
+                    continue
+                exp = expected.get(req_id)
+                drafted = 0 if exp is None else exp.num_draft_tokens
+                if num_draft_tokens is not None and num_draft_tokens[i] != drafted:
+                    raise RuntimeError(f"request {req_id!r}: the last rank verified "
+                                       f"{num_draft_tokens[i]} drafts but the plan had {drafted}")
+                if drafted or len(tokens) != 1:
+                    self._settle_drafts(req, drafted, len(tokens) - 1)
+                if logprob_token_ids is not None and logprob_token_ids[i]:
+                    for j, tok in enumerate(tokens):
+                        req.logprobs.append((dict(zip(logprob_token_ids[i][j], out.logprobs[i][j])),
+                                             out.num_logprob_ranks[i][j]))
+                        req.append_output_token(tok, mml)
+                        num_generated += 1
+                        if req.status is _FINISHED:
+                            self._retire_running(req, retired)
+                            break
+                elif len(tokens) == 1:  # the common case: one token, no logprobs
+                    req.append_output_token(tokens[0], mml)
+                    num_generated += 1
+                    if req.status is _FINISHED:
+                        self._retire_running(req, retired)
                 else:
-                    req.draft_token_ids = list(out.draft_token_ids[i])
+                    for tok in tokens:
+                        req.append_output_token(tok, mml)
+                        num_generated += 1
+                        if req.status is _FINISHED:
+                            self._retire_running(req, retired)
+                            break
+                if req.self_drafted_record is record:
+                    req.self_drafted_record = None
+                if draft_token_ids is not None and req.status is not _FINISHED:
+                    nxt = req.self_drafted_record
+                    if nxt is not None:  # the rank already runs these drafts in that step
+                        self._correct_self_drafted(req, nxt, list(draft_token_ids[i]))
+                    else:
+                        req.draft_token_ids = list(draft_token_ids[i])
+        finally:
+            self.num_generated_tokens += num_generated
+            if retired:
+                if len(retired) == 1:
+                    self.running.remove(retired[0])
+                else:
+                    self.running[:] = [r for r in self.running if r.status is _RUNNING]
+
+    def _retire_running(self, req: Request, retired: list[Request]) -> None:
+        """_retire for a running request that just finished, except that it leaves
+        `running` later, with the others of the same result (update_from_output)."""
+        self._removed_since_last_plan.append(req.req_id)
+        self.blocks.free(req.req_id)
+        self._finished.append(req)
+        retired.append(req)
 
     def _correct_self_drafted(self, req: Request, record: PlanRecord, drafts: list[int]) -> None:
         """The in-flight self-drafted step of req runs 1 + len(drafts) tokens from the count
         just corrected: fix the driver's count, that record's expectation, and the blocks."""
         unused = self.num_lookahead - len(drafts)
         req.num_computed_tokens -= unused
-        record.num_drafts[req.req_id] = len(drafts)
         record.self_drafted.discard(req.req_id)
+        num_tokens = len(req.token_ids)
         record.expected[req.req_id] = Expectation(
-            req.incarnation, req.num_tokens,
-            extend_hash(req.token_hash, req.num_tokens, drafts), req.num_tokens - 1, len(drafts))
+            req.incarnation, num_tokens, hash_extend(req.token_hash, num_tokens, drafts),
+            num_tokens - 1, len(drafts))
         self.num_rolled_back_blocks += self.blocks.trim(req.req_id, self._kv_target(req, 0))
 
     def _settle_drafts(self, req: Request, drafted: int, accepted: int) -> None:
