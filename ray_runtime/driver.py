@@ -1,8 +1,9 @@
 """The driver actor: owns the scheduler and the stage actors, and runs the step loop.
 
 The driver's Request objects are the canonical state of every request; stages hold copies
-that plans keep up to date by deltas. Each plan is encoded once with msgspec and put in the
-object store once; every stage reads the same bytes.
+that plans keep up to date by deltas. Each plan is encoded once with msgspec and the same
+bytes are written to every stage's channel (ray_runtime/channel.py); replies are read back in
+plan order. No Ray call and no `ray.get` sits in the step loop.
 """
 from __future__ import annotations
 

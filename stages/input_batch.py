@@ -92,11 +92,10 @@ class InputBatch:
         self.update_many(plan.cached_reqs)
 
     def update_many(self, deltas: list[CachedRequestData]) -> None:
-        """update() for each delta. The common one (a single token, no drafts either side, no
-        block rollback) runs as array operations; any other, or one that update() would
-        refuse, goes through update() itself."""
-        simple = [d for d in deltas if len(d.new_token_ids) == 1 and d.block_start is None
-                  and not d.draft_token_ids]
+        """update() for each delta. The common one (a single token, no drafts either side, new
+        blocks only appended) runs as array operations; any other, or one that update()
+        would refuse, goes through update() itself."""
+        simple = [d for d in deltas if len(d.new_token_ids) == 1 and not d.draft_token_ids]
         if len(simple) < self.array_path_min:
             for d in deltas:
                 self.update(d)
@@ -107,7 +106,10 @@ class InputBatch:
         known = self.num_tokens_known[rows]
         grows = starts >= known
         nblocks = np.fromiter((len(d.new_block_ids) for d in simple), np.int64, len(simple))
-        fast = (self.num_draft_tokens[rows] == 0) & (self.num_unresolved_drafts[rows] == 0) \
+        have = self.num_blocks[rows]
+        bstart = np.fromiter((-1 if d.block_start is None else d.block_start for d in simple),
+                             np.int64, len(simple))
+        fast = ((bstart < 0) | (bstart == have)) & (self.num_draft_tokens[rows] == 0) & (self.num_unresolved_drafts[rows] == 0) \
             & (starts <= known) & ~(grows & (self.num_pending_samples[rows] > 0)) \
             & (starts + 1 <= self.max_model_len) \
             & (self.num_blocks[rows] + nblocks <= self.block_table.shape[1])
@@ -115,7 +117,7 @@ class InputBatch:
             if not ok:
                 self.update(d)
         for d in deltas:
-            if not (len(d.new_token_ids) == 1 and d.block_start is None and not d.draft_token_ids):
+            if not (len(d.new_token_ids) == 1 and not d.draft_token_ids):
                 self.update(d)
         rows, starts, tokens, known, grows = rows[fast], starts[fast], tokens[fast], known[fast], grows[fast]
         fast_deltas = [d for d, ok in zip(simple, fast.tolist()) if ok]

@@ -271,7 +271,9 @@ class InputBatchMachine(RuleBasedStateMachine):
             req_id=req_id, token_start=start,
             new_token_ids=over + _ids(data, k, 0, 50_000, "new_token_ids"),
             new_block_ids=_ids(data, nb, 1, 10_000, "new_block_ids"),
-            num_computed_tokens=m.num_computed)
+            num_computed_tokens=m.num_computed,
+            # the scheduler names where appended blocks start; None means the same
+            block_start=data.draw(st.sampled_from([None, len(m.blocks)]), label="block_start"))
 
     def _apply_delta_to_model(self, delta: CachedRequestData) -> None:
         m = self.model[delta.req_id]
