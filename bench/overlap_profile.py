@@ -1,6 +1,6 @@
 """The overlapped step in one process, no Ray: the real Scheduler and StageRunner at PP=1 with
-placeholders (two steps in flight), driven serially (finish N, then launch N+1) and overlapped
-(launch N+1, then finish N), at several batch sizes: ms per decode step, and optionally a
+placeholders, driven serially (one step at a time: finish N, then plan and launch N+1) and
+overlapped (two in flight: launch N+1, then finish N), at several batch sizes: ms per decode step, and optionally a
 torch.profiler table of the overlapped run (where the device's time goes).
 
   python bench/overlap_profile.py [--rows 1 8 64 256] [--steps 64] [--profile-rows 64]
@@ -53,13 +53,11 @@ def run(runner, sched, spec, rows: int, prompt_len: int, steps: int, overlapped:
     times = []
     t_prev = None
     while sched.has_unfinished() or launched:
-        while len(launched) < 2:
+        # serial: one step at a time, finished before the next is planned (the sync loop)
+        while len(launched) < (2 if overlapped else 1):
             record = sched.schedule()
             if record is None:
                 break
-            if not overlapped and launched:
-                rec, step = launched.popleft()
-                sched.update_from_output(rec, runner.finish(step).sampler_output, frozenset())
             launched.append((record, runner.launch(record.plan)))
         rec, step = launched.popleft()
         sched.update_from_output(rec, runner.finish(step).sampler_output, frozenset())
