@@ -348,18 +348,17 @@ class InputBatch:
         return True
 
     def digests(self, plan: StepPlan, full: bool = False, full_every: int = 0) -> list[RowDigest]:
-        """Fingerprints of every row the plan touched, over the prefix the driver knows of.
-        The running hashes move by the tokens since the last digest; a row's hash is
-        recomputed from its contents instead (and the running state reset to that) when
-        `full`, and at every full_every-th digest of that row (0: never on its own)."""
-        driver_known = {n.req_id: len(n.token_ids) for n in plan.new_reqs}
-        for d in plan.cached_reqs:
-            driver_known[d.req_id] = d.token_start + len(d.new_token_ids)
-            if d.self_drafted:  # the driver checks these against its corrected view
-                driver_known[d.req_id] = int(self.num_tokens_known[self.req_id_to_slot[d.req_id]])
-        req_ids = [r for r in plan.scheduled_req_ids if r in driver_known]
-        rows = np.array([self.req_id_to_slot[r] for r in req_ids], np.int64)
-        lengths = np.array([driver_known[r] for r in req_ids], np.int64)
+        """digests_of(plan_view(plan, self)): for callers without a view at hand."""
+        from stages.plan_view import plan_view
+
+        return self.digests_of(plan_view(plan, self), full, full_every)
+
+    def digests_of(self, view, full: bool = False, full_every: int = 0) -> list[RowDigest]:
+        """Fingerprints of every request the step runs, over the prefix it stands on (the
+        view's digest_len). The running hashes move by the tokens since the last digest; a
+        slot's hash is recomputed from its contents instead (and the running state reset to
+        that) when `full`, and at every full_every-th digest of that request (0: never)."""
+        req_ids, rows, lengths = view.req_ids, view.slots, view.digest_len
         have = self.hash_len[rows]
         fwd = spans_hash_delta(self.token_ids, rows, np.minimum(have, lengths), lengths)
         back = spans_hash_delta(self.token_ids, rows, np.minimum(have, lengths), have)

@@ -22,6 +22,7 @@ from stages.draft_model import DraftModelProposer
 from stages.input_batch import InputBatch
 from stages.kv_cache import allocate_kv_cache, available_host_kv_bytes, bytes_per_block
 from stages.model import AttentionMetadata, attention_metadata, build_stage, token_layout
+from stages.plan_view import PlanView, plan_view
 from stages.staging import InputStaging
 from stages.model_spec import ModelSpec
 from stages.ngram_proposer import ngram_propose
@@ -223,7 +224,8 @@ class StageRunner:
             self.fault_hook(self.batch, plan)
         if self.config.debug_checks:
             self.batch.check()
-        inputs = self.prepare_inputs(plan)
+        view = plan_view(plan, self.batch)  # what each request runs: read by inputs and digests
+        inputs = self.prepare_inputs(view)
         gpu_start = self._record_event()
         if self.is_first:
             x = inputs.device.token_ids
@@ -237,7 +239,7 @@ class StageRunner:
         # While the device runs the step: the digests of the rows as the plan left them.
         t_digest = time.perf_counter()
         cfg = self.config
-        digests = self.batch.digests(plan, full=cfg.debug_checks, full_every=cfg.digest_full_every)
+        digests = self.batch.digests_of(view, full=cfg.debug_checks, full_every=cfg.digest_full_every)
         digest_s = time.perf_counter() - t_digest
         self.batch.mark_computed_rows(inputs.rows, inputs.num_new)
         step = LaunchedStep(plan.step_id, start, recv_done, digests, digest_s, gpu_start)
@@ -323,28 +325,12 @@ class StageRunner:
         return StageStepResult(step_id=step.step_id, rank=self.rank, timing=timing,
                                digests=step.digests, sampler_output=out)
 
-    def prepare_inputs(self, plan: StepPlan) -> StepInputs:
+    def prepare_inputs(self, view: PlanView) -> StepInputs:
         """Positions come from the plan (the driver's counts are canonical); the rank's own
         counters are audited through the digests, never trusted to place tokens."""
         b = self.batch
-        view = {n.req_id: (n.num_computed_tokens, len(n.token_ids), 0) for n in plan.new_reqs}
-        view.update({d.req_id: (d.num_computed_tokens, d.token_start + len(d.new_token_ids),
-                                len(d.draft_token_ids)) for d in plan.cached_reqs})
-        num_new = np.array(plan.num_scheduled_tokens, np.int64)
-        for d in plan.cached_reqs:
-            if d.self_drafted:  # PP=1 async: this rank's own count, tokens and drafts
-                row = b.req_id_to_slot[d.req_id]
-                nd = int(b.num_draft_tokens[row])
-                i = plan.scheduled_req_ids.index(d.req_id)
-                if 1 + nd > num_new[i]:
-                    raise AssertionError(f"request {d.req_id!r}: {nd} drafts but {num_new[i]} tokens planned")
-                num_new[i] = 1 + nd
-                view[d.req_id] = (int(b.num_computed_tokens[row]),
-                                  int(b.num_tokens_known[row] + b.num_pending_samples[row]), nd)
-        rows = np.array([b.req_id_to_slot[r] for r in plan.scheduled_req_ids], np.int64)
-        starts = np.array([view[r][0] for r in plan.scheduled_req_ids], np.int64)
-        driver_known = np.array([view[r][1] for r in plan.scheduled_req_ids], np.int64)
-        drafts = np.array([view[r][2] for r in plan.scheduled_req_ids], np.int64)
+        rows, starts, num_new = view.slots, view.starts, view.num_new
+        driver_known, drafts = view.known, view.num_drafts
         ends = starts + num_new
         # The rank's own prefix, with a pending sample (its value still on the device) counted:
         # it may exceed driver_known by the last rank's samples.
@@ -353,13 +339,13 @@ class StageRunner:
         if len(over):
             i = int(over[0])
             raise AssertionError(
-                f"rank {self.rank}: request {plan.scheduled_req_ids[i]!r} scheduled up to token "
+                f"rank {self.rank}: request {view.req_ids[i]!r} scheduled up to token "
                 f"{int(ends[i])} but its row knows only {int(known[i])}")
         # A slot past the row's blocks would land in block 0, another request's: refuse.
         unbacked = np.nonzero(ends > b.num_blocks[rows] * self.config.block_size)[0]
         if len(unbacked):
             i = int(unbacked[0])
-            raise AssertionError(f"rank {self.rank}: request {plan.scheduled_req_ids[i]!r} runs up to "
+            raise AssertionError(f"rank {self.rank}: request {view.req_ids[i]!r} runs up to "
                                  f"token {int(ends[i])} but holds {int(b.num_blocks[rows[i]])} KV blocks")
         layout = token_layout(rows, starts, num_new)
         query_start_loc, token_row, positions = layout
@@ -392,7 +378,7 @@ class StageRunner:
             extras=[token_ids, patch_index, patch_slot, sample_token_index, sample_slots])
         return StepInputs(token_ids=token_ids, rows=rows, meta=meta, num_new=num_new,
                           num_tokens=len(positions),
-                          sample_req_ids=[plan.scheduled_req_ids[i] for i in sample],
+                          sample_req_ids=[view.req_ids[i] for i in sample],
                           sample_slots=sample_slots,
                           sample_token_index=sample_token_index.tolist(),
                           sample_output_index=(base[sample] - b.num_prompt_tokens[sample_slots]).tolist(),

@@ -15,16 +15,16 @@ from tests.stages.test_overlap import _run
 
 def test_running_hash_equals_full_recompute_every_step(tiny_model, monkeypatch):
     compared = []
-    real = InputBatch.digests
+    real = InputBatch.digests_of
 
-    def both(self, plan, full=False, full_every=0):
-        incremental = real(self, plan)
-        recomputed = real(self, plan, full=True)
-        assert incremental == recomputed, f"step {plan.step_id}: running hash drifted"
+    def both(self, view, full=False, full_every=0):
+        incremental = real(self, view)
+        recomputed = real(self, view, full=True)
+        assert incremental == recomputed, f"after {len(compared)} steps: running hash drifted"
         compared.append(len(incremental))
         return incremental
 
-    monkeypatch.setattr(InputBatch, "digests", both)
+    monkeypatch.setattr(InputBatch, "digests_of", both)
     prompts, budgets = stress_workload(seed=43, num_requests=12, max_len=100)
     params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.7, seed=i)
               for i, m in enumerate(budgets)]
