@@ -90,8 +90,7 @@ def lockstep(args, model_dir: str, enforce_eager: bool) -> dict:
     timer.wrap(runner, "prepare_inputs", "rank_prepare_inputs")
     timer.wrap(runner.batch, "digests", "rank_digests")
     timer.wrap(runner, "_forward", "rank_forward")
-    timer.wrap(runner, "_sample", "rank_sample")  # host-side sampling (drafts, logprobs)
-    timer.wrap(runner, "_sample_deferred", "rank_sample")  # samples kept on the device
+    timer.wrap(runner.last, "sample_step", "rank_sample")  # logits and sampling
     timer.wrap(runner, "finish", "rank_finish")
     decode_steps = 0
     while decode_steps < args.steps:

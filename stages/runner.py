@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -16,76 +15,16 @@ import torch
 
 from ray_runtime.config import EngineConfig
 from ray_runtime.messages import SamplerOutput, StageStepResult, StageTiming, StepPlan
-from ray_runtime.sampling_params import SamplingParams
 from stages.cuda_graphs import DecodeGraphs
-from stages.draft_model import DraftModelProposer
 from stages.input_batch import InputBatch
 from stages.kv_cache import allocate_kv_cache, available_host_kv_bytes, bytes_per_block
-from stages.model import AttentionMetadata, attention_metadata, build_stage, token_layout
+from stages.last_rank import LastRank
+from stages.model import attention_metadata, build_stage, token_layout
+from stages.model_spec import ModelSpec
 from stages.plan_view import PlanView, plan_view
 from stages.staging import InputStaging
-from stages.model_spec import ModelSpec
-from stages.ngram_proposer import ngram_propose
-from stages.sampler import Sampler, token_logprobs
-from stages.spec_sampler import SpecVerifier
+from stages.step_types import DeviceInputs, LaunchedStep, StepInputs
 from stages.transport import StageTransport
-
-
-@dataclass
-class StepInputs:
-    token_ids: np.ndarray  # [num_tokens]
-    rows: np.ndarray  # the batch row of each scheduled request
-    num_new: np.ndarray  # tokens each scheduled request runs (the plan's, or fewer if self-drafted)
-    meta: AttentionMetadata
-    sample_req_ids: list[str]  # requests whose known prefix this step completes
-    sample_token_index: list[int]  # their last token's index in the step's layout
-    sample_output_index: list[int]  # index of the output token each will sample (0 = first)
-    sample_num_drafts: list[int]  # drafts each verifies: its last 1 + m tokens get logits
-    sample_slots: np.ndarray  # [num_sampled] their slots
-    # Tokens whose id is a pending sample (still only on the device): their index in the
-    # step's layout and their slot, for the device-side patch of the input ids.
-    patch_index: np.ndarray
-    patch_slot: np.ndarray
-    num_tokens: int
-    device: "DeviceInputs"
-
-
-@dataclass
-class DeviceInputs:
-    """The step's own arrays on the device, staged with its attention metadata (one copy)."""
-
-    token_ids: torch.Tensor  # [num_tokens] first rank; empty elsewhere
-    patch_index: torch.Tensor
-    patch_slot: torch.Tensor
-    sample_token_index: torch.Tensor  # [num_sampled]
-    sample_slots: torch.Tensor  # [num_sampled]
-
-
-@dataclass
-class DeferredSamples:
-    """A step's samples on their way to the host (one pinned copy, one event)."""
-
-    req_ids: list[str]
-    slots: np.ndarray  # [n]
-    generations: np.ndarray  # [n] the slots' generations at launch: a changed one drops its value
-    incarnations: list[int]
-    tokens: torch.Tensor  # [n] host (pinned on CUDA), valid once the step's event completed
-
-
-@dataclass
-class LaunchedStep:
-    step_id: int
-    start: float
-    recv_done: float
-    digests: list
-    digest_s: float
-    gpu_start: Optional[torch.cuda.Event]
-    gpu_end: Optional[torch.cuda.Event] = None
-    compute_done: float = 0.0
-    sampler_output: Optional[SamplerOutput] = None  # ready at launch (the host-side paths)
-    deferred: Optional[DeferredSamples] = None
-    tokens_ready: Optional[torch.cuda.Event] = None
-
 
 _EMPTY = np.zeros(0, np.int64)
 
@@ -105,26 +44,14 @@ class StageRunner:
                                  self.dtype, self.device)
         self.num_layers = layer_range[1] - layer_range[0]
         self.batch = InputBatch(config.max_num_seqs, max_model_len, config.block_size)
-        self.sampler = Sampler(torch.device(self.device)) if self.is_last else None
-        self.spec_config = config.speculative_config
-        self.verifier = SpecVerifier(torch.device(self.device), self.sampler.unseeded) \
-            if self.is_last and self.spec_config else None
-        self.drafter = DraftModelProposer(config, self.spec, self.sampler.unseeded) \
-            if self.verifier and self.spec_config.method == "draft_model" else None
+        self.last = LastRank(config, self.spec, self.model, self.batch) if self.is_last else None
+        self.drafter = self.last.drafter if self.last is not None else None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: Optional[DecodeGraphs] = None  # cuda, unless enforce_eager
         self.transport: Optional[StageTransport] = None
         self.fault_hook = None  # tests only: called with the batch after each plan is applied
         self._gpu_spans: deque = deque()  # (start, end) events of steps not yet accounted
         self.staging = InputStaging(self.device)
-        if self.is_last:
-            # [max_num_seqs] each slot's latest sample, written by the device; read only for a
-            # slot with a pending sample, which only its current tenant can have (invariant 3).
-            self.last_sampled = torch.zeros(config.max_num_seqs, dtype=torch.long, device=self.device)
-            # Two pinned host buffers, alternating by step: a copy still in flight is never
-            # overwritten by the next step's (invariant 2).
-            self._pinned_tokens = [torch.zeros(config.max_num_seqs, dtype=torch.long,
-                                               pin_memory=self.device == "cuda") for _ in range(2)]
 
     # ---- set-up --------------------------------------------------------------------------
     def kv_block_capacity(self) -> int:
@@ -231,7 +158,7 @@ class StageRunner:
             x = inputs.device.token_ids
             if len(inputs.patch_index):  # pending samples: their ids never left the device
                 x = x.clone()  # the staging buffer's view stays as staged
-                x[inputs.device.patch_index] = self.last_sampled[inputs.device.patch_slot]
+                x[inputs.device.patch_index] = self.last.last_sampled[inputs.device.patch_slot]
         else:
             x = self.transport.recv_from_prev(inputs.num_tokens, self.spec.hidden_size, self.dtype)
         recv_done = time.time()
@@ -244,48 +171,12 @@ class StageRunner:
         self.batch.mark_computed_rows(inputs.rows, inputs.num_new)
         step = LaunchedStep(plan.step_id, start, recv_done, digests, digest_s, gpu_start)
         if self.is_last:
-            if self._can_defer(inputs):
-                self._sample_deferred(hidden, inputs, step)
-            else:
-                step.sampler_output = self._sample(plan.step_id, hidden, inputs)
-                # The last rank holds its samples at once: with PP=1 the next plan may
-                # already compute on them before the driver has seen them (placeholders).
-                self.batch.append_samples(step.sampler_output.req_ids,
-                                          step.sampler_output.sampled_token_ids)
-                if self.spec_config is not None:
-                    step.sampler_output.draft_token_ids = self._propose(step.sampler_output.req_ids)
+            self.last.sample_step(plan.step_id, hidden, inputs, step)
         else:
             self.transport.send_to_next(hidden)
         step.gpu_end = self._record_event()
         step.compute_done = time.time()
         return step
-
-    def _can_defer(self, inputs: "StepInputs") -> bool:
-        """Whether the step's samples may stay on the device until finish: not when drafts
-        are verified or proposed (host logic on the tokens), nor for logprobs."""
-        if self.spec_config is not None or not inputs.sample_req_ids:
-            return False
-        b = self.batch
-        return not any(b.sampling[r].logprobs is not None for r in inputs.sample_slots.tolist())
-
-    def _sample_deferred(self, hidden: torch.Tensor, inputs: "StepInputs", step: "LaunchedStep") -> None:
-        b = self.batch
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.device.sample_token_index))
-        params = [b.sampling[r] for r in inputs.sample_slots.tolist()]
-        tokens = self.sampler.sample(logits, params, inputs.sample_output_index)
-        slots = inputs.sample_slots
-        self.last_sampled[inputs.device.sample_slots] = tokens
-        n = len(slots)
-        if self.device == "cuda":
-            host = self._pinned_tokens[step.step_id % 2][:n]  # double-buffered (invariant 2)
-            host.copy_(tokens, non_blocking=True)
-            step.tokens_ready = torch.cuda.Event()
-            step.tokens_ready.record()
-        else:
-            host = tokens
-        step.deferred = DeferredSamples(req_ids=inputs.sample_req_ids, slots=slots,
-                                        generations=b.expect_samples(slots),
-                                        incarnations=b.incarnation[slots].tolist(), tokens=host)
 
     def step_done(self, step: "LaunchedStep") -> bool:
         """Whether finish(step) would return without waiting for the device."""
@@ -384,82 +275,6 @@ class StageRunner:
                           sample_output_index=(base[sample] - b.num_prompt_tokens[sample_slots]).tolist(),
                           sample_num_drafts=num_verified[sample].tolist(),
                           patch_index=patch_index, patch_slot=patch_slot, device=DeviceInputs(*moved))
-
-    def _sample(self, step_id: int, hidden: torch.Tensor, inputs: StepInputs) -> SamplerOutput:
-        b = self.batch
-        rows = [b.req_id_to_slot[r] for r in inputs.sample_req_ids]
-        if not rows:
-            return SamplerOutput(step_id=step_id, req_ids=[], incarnations=[], sampled_token_ids=[])
-        # Each request's last 1 + m positions: its last known token and its m drafts.
-        counts = [m + 1 for m in inputs.sample_num_drafts]
-        index = torch.tensor([i for last, n in zip(inputs.sample_token_index, counts)
-                              for i in range(last - n + 1, last + 1)], device=hidden.device)
-        all_logits = self.model.compute_logits(hidden.index_select(0, index))
-        params = [b.sampling[r] for r in rows]
-        plain = [i for i, m in enumerate(inputs.sample_num_drafts) if m == 0]
-        spec = [i for i, m in enumerate(inputs.sample_num_drafts) if m > 0]
-        wants_logprobs = any(sp.logprobs is not None for sp in params)
-        # Per-request views only where something reads them per request.
-        logits = all_logits.split(counts) if spec or wants_logprobs else None
-        tokens: list[list[int]] = [[] for _ in rows]
-        if plain:  # logprobs: below, for every emitted token at once
-            plain_logits = all_logits if not spec else torch.cat([logits[i] for i in plain])
-            res = self.sampler(plain_logits, [params[i] for i in plain],
-                               [inputs.sample_output_index[i] for i in plain], with_logprobs=False)
-            for i, t in zip(plain, res.token_ids):
-                tokens[i] = [t]
-        if spec:
-            drafts = [b.drafts(inputs.sample_req_ids[i]) for i in spec]
-            q = None if self.drafter is None else [
-                self.drafter.draft_probs(inputs.sample_req_ids[i], int(b.incarnation[rows[i]]), d)
-                for i, d in zip(spec, drafts)]
-            emitted = self.verifier([logits[i] for i in spec], drafts, [params[i] for i in spec],
-                                    [inputs.sample_output_index[i] for i in spec], q)
-            for i, t in zip(spec, emitted):
-                tokens[i] = t
-        out = SamplerOutput(
-            step_id=step_id, req_ids=inputs.sample_req_ids,
-            incarnations=[int(b.incarnation[r]) for r in rows], sampled_token_ids=tokens,
-            num_draft_tokens=list(inputs.sample_num_drafts) if self.spec_config else None)
-        if wants_logprobs:
-            self._attach_logprobs(out, logits, params)
-        return out
-
-    @staticmethod
-    def _attach_logprobs(out: SamplerOutput, logits: list[torch.Tensor],
-                         params: list[SamplingParams]) -> None:
-        """Per request, an entry for each emitted token: emitted token j was predicted at
-        the request's j-th sampled position (its last known token, then its drafts)."""
-        ids, vals, ranks = [], [], []
-        for lg, toks, sp in zip(logits, out.sampled_token_ids, params):
-            entries = [] if sp.logprobs is None else [
-                token_logprobs(row, t, sp.logprobs)
-                for row, t in zip(torch.log_softmax(lg[:len(toks)], dim=-1), toks)]
-            ids.append([e[0] for e in entries])
-            vals.append([e[1] for e in entries])
-            ranks.append([e[2] for e in entries])
-        out.logprob_token_ids, out.logprobs, out.num_logprob_ranks = ids, vals, ranks
-
-    def _propose(self, req_ids: list[str]) -> list[list[int]]:
-        """Drafts for each request's next step, placed in its row (the first stage reads
-        them there at PP=1; the driver forwards them at PP>1)."""
-        b, spec = self.batch, self.spec_config
-        rows = [b.req_id_to_slot[r] for r in req_ids]
-        known = [int(b.num_tokens_known[row]) for row in rows]
-        first_output = [n - int(b.num_prompt_tokens[row]) for n, row in zip(known, rows)]
-        # Never draft past max_tokens (the step emits at most m + 1) or the context.
-        caps = [max(0, min(spec.num_speculative_tokens, b.sampling[row].max_tokens - out - 1,
-                           b.max_model_len - 1 - n))
-                for row, n, out in zip(rows, known, first_output)]
-        if self.drafter is not None:
-            drafts = self.drafter.propose(b, req_ids, caps, first_output)
-        else:
-            drafts = [ngram_propose(b.token_ids[row, :n], k, spec.prompt_lookup_min,
-                                    spec.prompt_lookup_max) if k > 0 else []
-                      for row, n, k in zip(rows, known, caps)]
-        for req_id, d in zip(req_ids, drafts):
-            b.set_drafts(req_id, d)
-        return drafts
 
     def check(self) -> None:
         self.batch.check()
