@@ -52,6 +52,8 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_seqs, np.int64)
         self.num_computed_tokens = np.zeros(max_num_seqs, np.int64)
         self.block_table = np.zeros((max_num_seqs, max_blocks), np.int32)
+        # Rows written since the device mirror last took them (stages/device_state.py).
+        self.table_dirty = np.zeros(max_num_seqs, bool)
         self.num_blocks = np.zeros(max_num_seqs, np.int64)
         self.incarnation = np.zeros(max_num_seqs, np.int64)  # the driver's admission counter
         self.last_sampled_token = np.full(max_num_seqs, POISON, np.int64)
@@ -165,6 +167,7 @@ class InputBatch:
         self.num_prompt_tokens[row] = new.num_prompt_tokens
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.block_table[row, :] = 0
+        self.table_dirty[row] = True
         self.num_blocks[row] = 0
         self._append_blocks(row, new.block_ids)
         self.incarnation[row] = new.incarnation
@@ -213,6 +216,7 @@ class InputBatch:
             return
         if delta.block_start is not None:  # checked in update()
             self.block_table[row, delta.block_start:] = 0  # rolled back: rejected drafts' blocks
+            self.table_dirty[row] = True
             self.num_blocks[row] = delta.block_start
         self._append_blocks(row, delta.new_block_ids)
 
@@ -396,6 +400,7 @@ class InputBatch:
     def _append_blocks(self, row: int, block_ids: list[int]) -> None:
         start = int(self.num_blocks[row])
         self.block_table[row, start:start + len(block_ids)] = block_ids
+        self.table_dirty[row] = True
         self.num_blocks[row] = start + len(block_ids)
 
     def _clear_drafts(self, row: int) -> None:
@@ -410,6 +415,7 @@ class InputBatch:
             getattr(self, name)[row] = 0
         self.last_sampled_token[row] = POISON
         self.block_table[row] = 0
+        self.table_dirty[row] = True
         self.sampling[row] = None
 
     # ---- invariants ----------------------------------------------------------------------

@@ -51,12 +51,15 @@ def plain_to_device(device: str) -> Callable[[list[np.ndarray]], list[torch.Tens
 def attention_metadata(block_table: np.ndarray, rows: np.ndarray, starts: np.ndarray,
                        num_new: np.ndarray, block_size: int, device: str, *,
                        to_device: Optional[Callable] = None, extras: Sequence[np.ndarray] = (),
-                       layout: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
+                       layout: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None,
+                       device_table=None
                        ) -> tuple[AttentionMetadata, np.ndarray, np.ndarray, list[torch.Tensor]]:
     """Row r runs num_new[r] tokens from position starts[r]: their attention metadata, per
     token its row and position, and `extras` (more int64 host arrays the step needs on the
     device) moved along with the metadata by one `to_device` call (the runner's staging: one
-    pinned copy per step). layout: token_layout() of the same rows, if the caller has it."""
+    pinned copy per step). layout: token_layout() of the same rows, if the caller has it.
+    device_table: a DeviceBlockTable mirroring block_table: its changed rows travel in the
+    same copy, and the step's tables are gathered on the device instead of shipped."""
     query_start_loc, token_row, positions = layout or token_layout(rows, starts, num_new)
     slot_mapping = block_table[token_row, positions // block_size].astype(np.int64) * block_size \
         + positions % block_size
@@ -64,15 +67,20 @@ def attention_metadata(block_table: np.ndarray, rows: np.ndarray, starts: np.nda
     max_blocks = int(-(-ends.max() // block_size))
     token_rows, table_rows, ctx_lens, long_chunks, all_decode = \
         decode_layout_arrays(ends, query_start_loc)
+    tables = block_table[rows, :max_blocks] if device_table is None else rows
+    mirror = device_table.changes() if device_table is not None else []
     moved = (to_device or plain_to_device(device))(
-        [positions, slot_mapping, block_table[rows, :max_blocks], token_rows, table_rows,
-         ctx_lens, *extras])
+        [positions, slot_mapping, tables, token_rows, table_rows, ctx_lens, *mirror, *extras])
     pos_t, slots_t, tables_t, token_rows_t, table_rows_t, ctx_t = moved[:6]
+    if device_table is not None:
+        device_table.apply(*moved[6:8])
+        tables_t = device_table.gather(tables_t, max_blocks)
+    extras_t = moved[6 + len(mirror):]
     meta = AttentionMetadata(
         positions=pos_t, slot_mapping=slots_t, block_tables=tables_t,
         seq_lens=ends.tolist(), query_start_loc=query_start_loc.tolist(),
         layout=DecodeLayout(token_rows_t, table_rows_t, ctx_t, long_chunks, all_decode))
-    return meta, token_row, positions, moved[6:]
+    return meta, token_row, positions, extras_t
 
 
 class RMSNorm(nn.Module):

@@ -16,6 +16,7 @@ import torch
 from ray_runtime.config import EngineConfig
 from ray_runtime.messages import SamplerOutput, StageStepResult, StageTiming, StepPlan
 from stages.cuda_graphs import DecodeGraphs
+from stages.device_state import DeviceBlockTable
 from stages.input_batch import InputBatch
 from stages.kv_cache import allocate_kv_cache, available_host_kv_bytes, bytes_per_block
 from stages.last_rank import LastRank
@@ -52,6 +53,7 @@ class StageRunner:
         self.fault_hook = None  # tests only: called with the batch after each plan is applied
         self._gpu_spans: deque = deque()  # (start, end) events of steps not yet accounted
         self.staging = InputStaging(self.device)
+        self.device_table = DeviceBlockTable(self.batch, self.device)
 
     # ---- set-up --------------------------------------------------------------------------
     def kv_block_capacity(self) -> int:
@@ -265,7 +267,7 @@ class StageRunner:
         sample_token_index = query_start_loc[sample + 1] - 1
         meta, _, _, moved = attention_metadata(
             b.block_table, rows, starts, num_new, self.config.block_size, self.device,
-            to_device=self.staging, layout=layout,
+            to_device=self.staging, layout=layout, device_table=self.device_table,
             extras=[token_ids, patch_index, patch_slot, sample_token_index, sample_slots])
         return StepInputs(token_ids=token_ids, rows=rows, meta=meta, num_new=num_new,
                           num_tokens=len(positions),
@@ -278,6 +280,7 @@ class StageRunner:
 
     def check(self) -> None:
         self.batch.check()
+        self.device_table.check()
 
     def close(self) -> None:
         if self.transport is not None:

@@ -124,3 +124,19 @@ def test_a_landed_sample_extends_the_known_prefix():
     assert b.land_samples(np.array([slot]), gens, np.array([11])).all()
     assert b.token_ids[slot, :4].tolist() == [5, 6, 7, 11] and b.num_pending_samples[slot] == 0
     b.check()
+
+
+def test_device_block_table_mirror_is_checked(tiny_model, monkeypatch):
+    """The device mirror of the block tables takes only the rows changed since the last step;
+    runner.check() compares it with the host table. A mirror that drops the changes (planted)
+    is caught, and the step outputs would read stale blocks."""
+    from stages.device_state import DeviceBlockTable
+
+    def dropped(self, slots, rows):
+        self.batch.table_dirty[self._dirty] = False  # forgets to scatter
+
+    monkeypatch.setattr(DeviceBlockTable, "apply", dropped)
+    prompts, budgets = stress_workload(seed=44, num_requests=4, max_len=60)
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in budgets]
+    with pytest.raises(AssertionError, match="device block table drifted"):
+        _run(tiny_model("llama"), prompts, params, overlapped=True)
