@@ -158,6 +158,12 @@ class LLM:
     def stats(self) -> dict:
         return ray.get(self._driver.stats.remote())
 
+    def metrics_snapshot(self) -> Optional[dict]:
+        """Tests only: what the engine's metrics have recorded so far (ray_runtime/metrics.py,
+        `EngineMetrics.snapshot`), None with disable_log_stats. To watch the metrics, use
+        the Ray dashboard or Prometheus (docs/operations.md)."""
+        return ray.get(self._driver.metrics_snapshot.remote())
+
     def set_fault_hook(self, rank: int, hook) -> None:
         """Tests only: `hook(batch, plan)` runs on stage `rank` after each plan is applied,
         to corrupt its bookkeeping and prove that the audit catches it."""

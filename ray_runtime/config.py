@@ -103,6 +103,8 @@ class EngineConfig:
     # (the first steps on a GPU include kernel compilation: keep it generous).
     step_timeout_s: float = 300.0
     speculative_config: Optional[SpeculativeConfig] = None
+    # vLLM's name: no engine metrics (ray.util.metrics, docs/operations.md) are recorded
+    disable_log_stats: bool = False
 
     @property
     def inflight_steps(self) -> int:
@@ -142,6 +144,8 @@ class EngineConfig:
             raise bad("digest_full_every", f"must be an integer >= 1, got {self.digest_full_every!r}")
         if not self.step_timeout_s > 0:
             raise bad("step_timeout_s", f"must be > 0, got {self.step_timeout_s}")
+        if not isinstance(self.disable_log_stats, bool):
+            raise bad("disable_log_stats", f"must be a bool, got {self.disable_log_stats!r}")
         if self.on_mismatch not in ("repair", "raise"):
             raise bad("on_mismatch", f"must be 'repair' or 'raise', got {self.on_mismatch!r}")
         object.__setattr__(self, "speculative_config",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import deque
 from typing import Optional
 
@@ -19,6 +20,7 @@ from ray_runtime.channel import ERROR, PLAN, STOP, ChannelClosed, StageError
 from ray_runtime.cluster import create_placement_group, open_channels, start_stages
 from ray_runtime.config import EngineConfig, stage_layer_ranges
 from ray_runtime.messages import FinishedRequest, RequestSpec, StageStepResult, decode_result, encode
+from ray_runtime.metrics import EngineMetrics
 from ray_runtime.reconcile import BookkeepingMismatch, audit
 from ray_runtime.request import Request
 from ray_runtime.scheduler import PlanRecord, Scheduler
@@ -75,6 +77,11 @@ class Driver:
         self._audit_s = 0.0
         self._plan_s = 0.0
         self._wait_s = 0.0
+        self._mismatches_by_rank = [0] * pp
+        self.engine_id = uuid.uuid4().hex[:8]  # the `engine` tag of the metrics
+        # ray.util.metrics, fed in batches (ray_runtime/metrics.py); None: disable_log_stats
+        self.metrics: Optional[EngineMetrics] = None if config.disable_log_stats else \
+            EngineMetrics(config.model, self.engine_id, pp, self._metric_totals)
 
     def _size_kv_pool(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -87,7 +94,7 @@ class Driver:
         return {"vocab_size": self.spec.vocab_size, "max_model_len": self.max_model_len,
                 "num_kv_blocks": self.num_kv_blocks, "block_size": self.config.block_size,
                 "eos_token_ids": list(self.spec.eos_token_ids),
-                "num_layers": self.spec.num_layers}
+                "num_layers": self.spec.num_layers, "engine_id": self.engine_id}
 
     # ---- serving -------------------------------------------------------------------------
     def generate(self, requests: list[RequestSpec]) -> list[FinishedRequest]:
@@ -95,6 +102,9 @@ class Driver:
             raise RuntimeError(f"the engine cannot run any more ({self._broken}); shut it down "
                                "and create a new LLM")
         sched = self.scheduler
+        m = self.metrics
+        if m is not None:
+            m.on_arrivals([spec.req_id for spec in requests], time.time())
         for spec in requests:
             sched.add_request(Request(spec.req_id, spec.prompt_token_ids, spec.sampling,
                                       self.eos_token_ids, self._arrivals))
@@ -107,6 +117,8 @@ class Driver:
                 self._fill_pipeline()
                 if not self._inflight:
                     raise RuntimeError("scheduler has unfinished requests but planned nothing")
+                if m is not None:  # the pipeline is full: a flush overlaps the stages' work
+                    m.maybe_flush()
                 self._complete_oldest()
                 finished.extend(self._collect(sched.pop_finished()))
         except BaseException as e:
@@ -115,6 +127,9 @@ class Driver:
                 self._inflight.clear()
             self._abandon(requests)
             raise
+        finally:
+            if m is not None:
+                m.flush()
         if self.config.trace_file:
             self.trace.write(self.config.trace_file)
         return finished
@@ -133,7 +148,9 @@ class Driver:
                     chan.recv(timeout_s=min(self.config.step_timeout_s, DRAIN_TIMEOUT_S))
                 except (TimeoutError, ChannelClosed) as e:
                     self._broken = str(e)
-        self.scheduler.pop_finished()
+        aborted = self.scheduler.pop_finished()
+        if self.metrics is not None:
+            self.metrics.on_finished(aborted, time.time())
 
     def _fill_pipeline(self) -> None:
         """Plan and launch steps until max_inflight are out or nothing more can run now:
@@ -149,6 +166,8 @@ class Driver:
             self._inflight.append(record)
             t1 = time.time()
             self._plan_s += t1 - t0
+            if self.metrics is not None:
+                self.metrics.on_plan(record.plan, self.scheduler.num_scheduled_tokens_total, t1)
             self.trace.driver_span("plan", t0, t1, step=record.plan.step_id,
                                    reqs=len(record.plan.scheduled_req_ids))
 
@@ -181,7 +200,10 @@ class Driver:
             self.scheduler.preempt(req_id)  # recomputed from the driver's tokens
         if self.config.debug_checks:
             self.scheduler.check()
-        self.trace.driver_span("output", t2, time.time(), step=record.plan.step_id)
+        t3 = time.time()
+        if self.metrics is not None:
+            self.metrics.on_step(results, self.scheduler.requests, t3)
+        self.trace.driver_span("output", t2, t3, step=record.plan.step_id)
 
     def _reconcile(self, record: PlanRecord, results: list[StageStepResult]) -> frozenset[str]:
         """Audit every rank's digests; repair by recompute, or raise."""
@@ -196,6 +218,7 @@ class Driver:
                 digests = [d for d in digests if d.req_id not in record.self_drafted]
             for m in audit(record.expected, digests, res.rank, res.rank == last):
                 self._num_mismatches += 1
+                self._mismatches_by_rank[res.rank] += 1
                 logger.warning("%s (step %d)", m, record.plan.step_id)
                 if self.config.on_mismatch == "raise":
                     raise BookkeepingMismatch(f"{m} (step {record.plan.step_id})")
@@ -204,6 +227,8 @@ class Driver:
 
     def _collect(self, done: list[Request]) -> list[FinishedRequest]:
         out = []
+        if done and self.metrics is not None:
+            self.metrics.on_finished(done, time.time())
         for req in done:
             self._num_requests_finished += 1
             lps = ranks = None
@@ -241,6 +266,27 @@ class Driver:
                 "stage_busy_s": list(t.busy_s),
                 "stage_gpu_busy_s": list(self._gpu_busy_s) if self.config.device == "cuda" else None, "stage_idle_s": list(t.idle_s),
                 "stage_idle_fraction": t.idle_fractions()}
+
+    def _metric_totals(self) -> dict:
+        """The cumulative counts and current gauges that metrics flush records (the same
+        numbers as stats())."""
+        s, t = self.scheduler, self.trace
+        return {"prompt_tokens": self._num_prompt_tokens,
+                "generation_tokens": s.num_generated_tokens,
+                "num_preemptions": s.num_preemptions,
+                "spec_decode_num_drafts": s.spec_num_drafts,
+                "spec_decode_num_draft_tokens": s.spec_num_draft_tokens,
+                "spec_decode_num_accepted_tokens": s.spec_num_accepted_tokens,
+                "num_requests_running": len(s.running), "num_requests_waiting": len(s.waiting),
+                "kv_cache_usage_perc": 1.0 - s.blocks.num_free_blocks / self.num_kv_blocks,
+                "stage_busy_s": t.busy_s, "stage_idle_s": t.idle_s,
+                "stage_digest_s": self._digest_s, "stage_gpu_busy_s": self._gpu_busy_s,
+                "bookkeeping_mismatches": self._mismatches_by_rank}
+
+    def metrics_snapshot(self) -> Optional[dict]:
+        """Tests only: what the metrics recorded (ray_runtime/metrics.py, snapshot()), or
+        None with disable_log_stats."""
+        return None if self.metrics is None else self.metrics.snapshot()
 
     def check(self) -> None:
         self.scheduler.check()

@@ -1,0 +1,418 @@
+"""Engine metrics through `ray.util.metrics`: vLLM V1's names and kinds under the prefix
+`ray_pp:`, plus per-stage series (docs/operations.md lists them all).
+
+Everything is recorded on the driver: the stages already send a StageTiming with every step
+result, so they carry no metrics code. The hot path only keeps plain Python numbers: a few
+appends and additions per step, a dict entry per request at arrival, admission, first token
+and finish. `flush()` turns them into `ray.util.metrics` calls, at most every
+FLUSH_INTERVAL_S of wall time (the driver calls it when the pipeline is full, so it overlaps
+the stages' work) and at the end of every generate call. Cumulative counts (tokens,
+preemptions, drafts, busy seconds, ...) are not counted twice: `flush()` reads the engine's
+own totals (the same numbers `stats()` reports) and records their growth.
+
+Names: the logical name is vLLM's with our prefix (`ray_pp:num_requests_running`). Ray 2.60
+drops a metric whose name holds a ':' on export (and warns that it will become an error),
+so the Ray metric is registered under the name with ':' replaced by '_', as vLLM's own Ray
+metrics do; Ray's exporter then adds its `ray_` namespace, and Prometheus shows
+`ray_ray_pp_num_requests_running` (counters with `_total`).
+
+The backend is `ray.util.metrics` (it needs no dashboard extras); where it cannot be used,
+or a record call raises, the engine goes on with no-op metrics after one warning.
+`snapshot()` (tests only) returns what was handed to the backend.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "ray_pp:"
+BASE_TAGS = ("model_name", "engine")
+FLUSH_INTERVAL_S = 0.5  # at most this long between flushes while a generate call runs
+
+# Buckets: vLLM V1's, with a few smaller ones first (a GPU decode step here is ~1.5 ms).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+               0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
+                           20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0,
+                           7680.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1) + REQUEST_LATENCY_BUCKETS[3:]
+ITERATION_TOKEN_BUCKETS = tuple(float(2 ** i) for i in range(15))  # 1 .. 16384
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                5.0, 10.0)
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    name: str  # without the prefix
+    kind: str  # "counter", "gauge" or "histogram"
+    description: str
+    tags: tuple[str, ...] = ()  # beyond model_name and engine
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def full_name(self) -> str:
+        """vLLM-style: `ray_pp:<name>` (the key of snapshot(), and the docs' name)."""
+        return PREFIX + self.name
+
+    @property
+    def ray_name(self) -> str:
+        """What ray.util.metrics registers: no ':' (Ray drops such names on export)."""
+        return self.full_name.replace(":", "_")
+
+    @property
+    def tag_keys(self) -> tuple[str, ...]:
+        return BASE_TAGS + self.tags
+
+
+METRICS: tuple[MetricDef, ...] = (
+    MetricDef("num_requests_running", "gauge", "Requests in the running batch (scheduled on the ranks)."),
+    MetricDef("num_requests_waiting", "gauge", "Requests waiting to be admitted (new or preempted)."),
+    MetricDef("kv_cache_usage_perc", "gauge", "KV-cache usage: fraction of the KV blocks in use (1 = full)."),
+    MetricDef("prompt_tokens", "counter", "Prompt tokens of the requests received."),
+    MetricDef("generation_tokens", "counter", "Output tokens committed."),
+    MetricDef("request_success", "counter", "Requests finished, by finish reason (stop, length, abort).",
+              ("finished_reason",)),
+    MetricDef("num_preemptions", "counter", "Preemptions (a request's KV dropped, recomputed later)."),
+    MetricDef("spec_decode_num_drafts", "counter", "Speculative decoding: steps that verified drafts, per request."),
+    MetricDef("spec_decode_num_draft_tokens", "counter", "Speculative decoding: draft tokens verified."),
+    MetricDef("spec_decode_num_accepted_tokens", "counter", "Speculative decoding: draft tokens accepted."),
+    MetricDef("bookkeeping_mismatches", "counter",
+              "Rows of a rank whose digest disagreed with the driver's view (repaired or raised).",
+              ("pp_rank",)),
+    MetricDef("time_to_first_token_seconds", "histogram",
+              "Time from a request's arrival to its first output token.", buckets=TTFT_BUCKETS),
+    MetricDef("inter_token_latency_seconds", "histogram",
+              "Per request with 2+ output tokens: its mean time between output tokens.",
+              buckets=ITL_BUCKETS),
+    MetricDef("e2e_request_latency_seconds", "histogram",
+              "Time from a request's arrival to its last token.", buckets=REQUEST_LATENCY_BUCKETS),
+    MetricDef("request_queue_time_seconds", "histogram",
+              "Time from a request's arrival to its first scheduling.", buckets=QUEUE_BUCKETS),
+    MetricDef("iteration_tokens_total", "histogram", "Tokens scheduled per engine step.",
+              buckets=ITERATION_TOKEN_BUCKETS),
+    MetricDef("stage_step_seconds", "histogram",
+              "A stage's busy time per step (activations in to activations/result out).",
+              ("pp_rank",), STEP_BUCKETS),
+    MetricDef("stage_busy_seconds", "counter", "A stage's busy time (sum of its step times).",
+              ("pp_rank",)),
+    MetricDef("stage_idle_seconds", "counter",
+              "A stage's idle time during generate calls: between steps and waiting for activations.",
+              ("pp_rank",)),
+    MetricDef("stage_idle_fraction", "gauge",
+              "A stage's idle / (busy + idle) over the last flush interval.", ("pp_rank",)),
+    MetricDef("stage_recv_wait_seconds", "counter",
+              "A stage's time from picking a plan up to having the step's input: applying the "
+              "plan, staging inputs and, on ranks > 0, waiting for the previous stage's activations.",
+              ("pp_rank",)),
+    MetricDef("stage_send_seconds", "counter",
+              "A stage's time handing activations on (or encoding its result) after compute.",
+              ("pp_rank",)),
+    MetricDef("stage_digest_seconds", "counter",
+              "A stage's time fingerprinting rows for the bookkeeping audit.", ("pp_rank",)),
+    MetricDef("stage_gpu_busy_seconds", "counter",
+              "CUDA: a stage's device time for its steps (CUDA events).", ("pp_rank",)),
+)
+BY_NAME = {m.name: m for m in METRICS}
+
+# The engine's own cumulative totals that become counters (flush() records their growth).
+TOTAL_COUNTERS = ("prompt_tokens", "generation_tokens", "num_preemptions", "spec_decode_num_drafts",
+                  "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+STAGE_TOTALS = {"stage_busy_s": "stage_busy_seconds", "stage_idle_s": "stage_idle_seconds",
+                "stage_digest_s": "stage_digest_seconds", "stage_gpu_busy_s": "stage_gpu_busy_seconds",
+                "bookkeeping_mismatches": "bookkeeping_mismatches"}
+
+
+class NullBackend:
+    """No-op instruments: metrics off, or ray.util.metrics unavailable."""
+
+    class _Noop:
+        def inc(self, value, tags=None) -> None: ...
+        def set(self, value, tags=None) -> None: ...
+        def observe(self, value, tags=None) -> None: ...
+
+    def Counter(self, name, description="", tag_keys=None):  # noqa: N802 - ray.util.metrics' names
+        return self._Noop()
+
+    Gauge = Counter
+
+    def Histogram(self, name, description="", boundaries=None, tag_keys=None):  # noqa: N802
+        return self._Noop()
+
+
+def ray_backend():
+    """`ray.util.metrics` (Counter, Gauge, Histogram), or None with one warning if it cannot
+    be imported. It needs only Ray's core, not `ray[default]`."""
+    try:
+        return importlib.import_module("ray.util.metrics")
+    except Exception as e:  # noqa: BLE001 - metrics never fail the engine
+        logger.warning("ray.util.metrics unavailable (%s): engine metrics are off", e)
+        return None
+
+
+class _Instrument:
+    """One metric: its backend object, full tag dicts made once per label set, and what was
+    recorded (for snapshot())."""
+
+    __slots__ = ("defn", "obj", "base", "tags", "recorded")
+
+    def __init__(self, defn: MetricDef, obj: Any, base: dict[str, str]) -> None:
+        self.defn = defn
+        self.obj = obj
+        self.base = base
+        self.tags: dict[tuple, dict[str, str]] = {}
+        self.recorded: dict[str, Any] = {}  # label string -> value, or [count, sum]
+
+    def _tags(self, labels: tuple) -> dict[str, str]:
+        t = self.tags.get(labels)
+        if t is None:
+            t = dict(self.base)
+            t.update(zip(self.defn.tags, (str(v) for v in labels)))
+            self.tags[labels] = t
+        return t
+
+    def _key(self, labels: tuple) -> str:
+        return ",".join(f"{k}={v}" for k, v in zip(self.defn.tags, labels))
+
+
+class EngineMetrics:
+    """The driver's metric state: cheap per-step/per-request hooks, and flush()."""
+
+    def __init__(self, model_name: str, engine_id: str, pp_size: int,
+                 totals: Callable[[], dict], backend: Any = None,
+                 flush_interval_s: float = FLUSH_INTERVAL_S,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.model_name = model_name
+        self.engine_id = engine_id
+        self.pp_size = pp_size
+        self._totals = totals  # the engine's cumulative counts and current gauges
+        self._clock = clock
+        self.flush_interval_s = flush_interval_s
+        self._next_flush = 0.0
+        self._warned = False
+        if backend is None:
+            backend = ray_backend()
+        base = {"model_name": model_name, "engine": engine_id}
+        self._inst: dict[str, _Instrument] = {}
+        try:
+            for d in METRICS if backend is not None else ():
+                if d.kind == "histogram":
+                    obj = backend.Histogram(d.ray_name, d.description, list(d.buckets), d.tag_keys)
+                else:
+                    obj = getattr(backend, d.kind.capitalize())(d.ray_name, d.description, d.tag_keys)
+                self._inst[d.name] = _Instrument(d, obj, base)
+        except Exception as e:  # noqa: BLE001
+            self._disable(e)
+        if len(self._inst) != len(METRICS):  # no backend: keep the bookkeeping, record to no-ops
+            null = NullBackend()
+            self._inst = {d.name: _Instrument(d, null.Counter(d.ray_name), base) for d in METRICS}
+        # ---- hot-path state: plain numbers, read by flush() ----
+        self._last_totals: dict[str, Any] = {}
+        self._arrival: dict[str, float] = {}
+        self._admitted: dict[str, float] = {}  # first scheduling
+        self._first: dict[str, float] = {}  # first output token
+        self._awaiting: set[str] = set()  # admitted, no output token yet
+        self._iteration_tokens: list[int] = []
+        self._last_scheduled_total = 0
+        self._step_s: list[list[float]] = [[] for _ in range(pp_size)]
+        self._recv_wait_s = [0.0] * pp_size
+        self._send_s = [0.0] * pp_size
+        self._finished: dict[str, int] = {}  # finish reason -> count since the last flush
+        self._ttft: list[float] = []
+        self._itl: list[float] = []
+        self._e2e: list[float] = []
+        self._queue: list[float] = []
+
+    # ---- hooks (hot path) ----------------------------------------------------------------
+    def on_arrivals(self, req_ids: Iterable[str], t: float) -> None:
+        arrival = self._arrival
+        for rid in req_ids:
+            arrival[rid] = t
+
+    def on_plan(self, plan, scheduled_tokens_total: int, t: float) -> None:
+        """A plan left: its token count (the scheduler's running total moved by it) and the
+        requests it admits (a resumed one keeps its first admission time)."""
+        self._iteration_tokens.append(scheduled_tokens_total - self._last_scheduled_total)
+        self._last_scheduled_total = scheduled_tokens_total
+        if plan.new_reqs:
+            admitted, first = self._admitted, self._first
+            for nr in plan.new_reqs:
+                rid = nr.req_id
+                if rid not in admitted:
+                    admitted[rid] = t
+                if rid not in first:
+                    self._awaiting.add(rid)
+
+    def on_step(self, results, requests: dict, t: float) -> None:
+        """A step's replies (one StageStepResult per rank) were read and its samples
+        committed: step times per rank, and the first token of requests that got one."""
+        step_s, recv, send = self._step_s, self._recv_wait_s, self._send_s
+        for res in results:
+            tm = res.timing
+            r = res.rank
+            step_s[r].append(tm.end - tm.recv_done)
+            recv[r] += tm.recv_done - tm.start
+            send[r] += tm.end - tm.compute_done
+        if self._awaiting:
+            done = []
+            for rid in self._awaiting:
+                req = requests.get(rid)
+                if req is None:
+                    done.append(rid)
+                elif len(req.token_ids) > req.num_prompt_tokens:
+                    self._first[rid] = t
+                    done.append(rid)
+            self._awaiting.difference_update(done)
+
+    def on_finished(self, reqs, t: float) -> None:
+        """Requests finished (their last token was committed at t), or aborted."""
+        finished = self._finished
+        for req in reqs:
+            rid = req.req_id
+            reason = req.finish_reason or "abort"
+            finished[reason] = finished.get(reason, 0) + 1
+            arrival = self._arrival.pop(rid, None)
+            admitted = self._admitted.pop(rid, None)
+            first = self._first.pop(rid, None)
+            self._awaiting.discard(rid)
+            if arrival is None or reason == "abort":
+                continue
+            self._e2e.append(t - arrival)
+            if admitted is not None:
+                self._queue.append(admitted - arrival)
+            if first is not None:
+                self._ttft.append(first - arrival)
+                n = len(req.token_ids) - req.num_prompt_tokens
+                if n > 1:
+                    self._itl.append((t - first) / (n - 1))
+
+    def maybe_flush(self) -> None:
+        if self._clock() >= self._next_flush:
+            self.flush()
+
+    # ---- recording -----------------------------------------------------------------------
+    def flush(self) -> None:
+        """Hand everything since the last flush to the backend. Never raises."""
+        now = self._clock()
+        self._next_flush = now + self.flush_interval_s
+        try:
+            self._flush()
+        except Exception as e:  # noqa: BLE001 - metrics never fail the engine
+            self._disable(e)
+
+    def _flush(self) -> None:
+        totals = self._totals()
+        last = self._last_totals
+        for name in TOTAL_COUNTERS:
+            v = totals.get(name)
+            if v is not None:
+                self._inc(name, v - last.get(name, 0))
+                last[name] = v
+        for key, name in STAGE_TOTALS.items():
+            vals = totals.get(key)
+            if vals is None:
+                continue
+            prev = last.get(key) or [0] * len(vals)
+            for r, (v, p) in enumerate(zip(vals, prev)):
+                self._inc(name, v - p, (r,))
+            last[key] = list(vals)
+        busy, idle = totals.get("stage_busy_s"), totals.get("stage_idle_s")
+        if busy is not None and idle is not None:
+            pb = last.get("_window_busy") or [0.0] * len(busy)
+            pi = last.get("_window_idle") or [0.0] * len(idle)
+            for r in range(len(busy)):
+                d = (busy[r] - pb[r]) + (idle[r] - pi[r])
+                if d > 0:
+                    self._set("stage_idle_fraction", (idle[r] - pi[r]) / d, (r,))
+            last["_window_busy"], last["_window_idle"] = list(busy), list(idle)
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+            if totals.get(name) is not None:
+                self._set(name, totals[name])
+        for r in range(self.pp_size):
+            self._inc("stage_recv_wait_seconds", self._recv_wait_s[r], (r,))
+            self._inc("stage_send_seconds", self._send_s[r], (r,))
+            self._recv_wait_s[r] = self._send_s[r] = 0.0
+            steps, self._step_s[r] = self._step_s[r], []
+            self._observe("stage_step_seconds", steps, (r,))
+        finished, self._finished = self._finished, {}
+        for reason, n in finished.items():
+            self._inc("request_success", n, (reason,))
+        for name, attr in (("time_to_first_token_seconds", "_ttft"),
+                           ("inter_token_latency_seconds", "_itl"),
+                           ("e2e_request_latency_seconds", "_e2e"),
+                           ("request_queue_time_seconds", "_queue"),
+                           ("iteration_tokens_total", "_iteration_tokens")):
+            values = getattr(self, attr)
+            if values:
+                setattr(self, attr, [])
+                self._observe(name, values)
+
+    def _inc(self, name: str, value: float, labels: tuple = ()) -> None:
+        if value <= 0:
+            return  # Ray's Counter takes only positive increments
+        inst = self._inst[name]
+        key = inst._key(labels)
+        inst.recorded[key] = inst.recorded.get(key, 0) + value
+        try:
+            inst.obj.inc(value, inst._tags(labels))
+        except Exception as e:  # noqa: BLE001 - metrics never fail the engine
+            self._disable(e)
+
+    def _set(self, name: str, value: float, labels: tuple = ()) -> None:
+        inst = self._inst[name]
+        inst.recorded[inst._key(labels)] = value
+        try:
+            inst.obj.set(value, inst._tags(labels))
+        except Exception as e:  # noqa: BLE001
+            self._disable(e)
+
+    def _observe(self, name: str, values: list, labels: tuple = ()) -> None:
+        if not values:
+            return
+        inst = self._inst[name]
+        key = inst._key(labels)
+        rec = inst.recorded.get(key)
+        if rec is None:
+            rec = inst.recorded[key] = [0, 0.0]
+        rec[0] += len(values)
+        rec[1] += sum(values)
+        tags = inst._tags(labels)
+        observe = inst.obj.observe
+        try:
+            for v in values:
+                observe(v, tags)
+        except Exception as e:  # noqa: BLE001
+            self._disable(e)
+
+    def _disable(self, error: Exception) -> None:
+        """The backend failed: record to no-ops from now on (snapshot() keeps counting)."""
+        if not self._warned:
+            self._warned = True
+            logger.warning("engine metrics: the metrics backend failed (%r); metrics are off "
+                           "for this engine from now on", error)
+        null = NullBackend._Noop()
+        for inst in getattr(self, "_inst", {}).values():
+            inst.obj = null
+
+    # ---- tests ---------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """Tests only: what has been recorded, after a flush. {"engine", "model_name",
+        "metrics": {full name: {label string: value}}}; a label string is "" or e.g.
+        "pp_rank=0"; a counter's value is its total, a gauge's its last value, a
+        histogram's {"count": n, "sum": s}."""
+        self.flush()
+        out = {}
+        for name, inst in self._inst.items():
+            if not inst.recorded:
+                continue
+            vals = {}
+            for key, v in inst.recorded.items():
+                vals[key] = {"count": v[0], "sum": v[1]} if isinstance(v, list) else v
+            out[inst.defn.full_name] = vals
+        return {"engine": self.engine_id, "model_name": self.model_name, "metrics": out}
