@@ -8,6 +8,7 @@ from typing import Optional, Sequence, Union
 
 import ray
 
+from ray_runtime.cluster import driver_actor_name
 from ray_runtime.config import EngineConfig, parse_partition, stage_layer_ranges
 from ray_runtime.driver import Driver, resolve_max_model_len
 from ray_runtime.messages import FinishedRequest, RequestSpec
@@ -70,7 +71,9 @@ class LLM:
                                  f"differs from the target's {spec.vocab_size}")
         self.tokenizer = load_tokenizer(tokenizer or model)
         connect_ray(self.config)
-        self._driver = ray.remote(num_cpus=0)(Driver).remote(self.config)
+        engine_id = uuid.uuid4().hex[:8]
+        self._driver = ray.remote(num_cpus=0)(Driver).options(
+            name=driver_actor_name(engine_id)).remote(self.config, engine_id)
         self.info = ray.get(self._driver.info.remote())
         self._closed = False
         self.final_stats: Optional[dict] = None  # stats() as they were at shutdown

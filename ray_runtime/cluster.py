@@ -13,6 +13,16 @@ from ray_runtime.config import EngineConfig
 logger = logging.getLogger(__name__)
 
 
+def driver_actor_name(engine_id: str) -> str:
+    """The driver actor's name, as `ray list actors` and the dashboard show it."""
+    return f"ray_pp-{engine_id}-driver"
+
+
+def stage_actor_name(engine_id: str, rank: int, pp_size: int, layer_range: tuple[int, int]) -> str:
+    """A stage actor's name: engine, rank of how many, and its decoder layers (inclusive)."""
+    return f"ray_pp-{engine_id}-stage{rank}of{pp_size}-layers{layer_range[0]}-{layer_range[1] - 1}"
+
+
 def stage_bundle(config: EngineConfig) -> dict:
     bundle = {"CPU": config.num_cpus_per_stage}
     if config.device == "cuda":
@@ -36,7 +46,7 @@ def create_placement_group(config: EngineConfig):
 
 
 def start_stages(config: EngineConfig, pg, layer_ranges: list[tuple[int, int]],
-                 max_model_len: int) -> list:
+                 max_model_len: int, engine_id: str = "") -> list:
     from stages.worker import StageWorker  # stages import ray_runtime's messages: no cycle at load
 
     remote_cls = ray.remote(StageWorker)
@@ -46,7 +56,10 @@ def start_stages(config: EngineConfig, pg, layer_ranges: list[tuple[int, int]],
                     num_gpus=1 if config.device == "cuda" else 0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=rank))
-        stages.append(remote_cls.options(**opts).remote(config, rank, layer_range, max_model_len))
+        if engine_id:
+            opts["name"] = stage_actor_name(engine_id, rank, len(layer_ranges), layer_range)
+        stages.append(remote_cls.options(**opts).remote(config, rank, layer_range, max_model_len,
+                                                        engine_id=engine_id))
     infos = ray.get([s.node_info.remote() for s in stages])
     for info in infos:
         logger.info("stage %d: layers %s on node %s (pid %d)", info["rank"], info["layers"],

@@ -41,15 +41,18 @@ def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
 
 
 class Driver:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, engine_id: Optional[str] = None) -> None:
         logging.basicConfig(level=logging.INFO)
         self.config = config
+        # Names the actors (ray_runtime/cluster.py) and tags the metrics.
+        self.engine_id = engine_id or uuid.uuid4().hex[:8]
         self.spec = ModelSpec.from_dir(config.model)
         self.max_model_len = resolve_max_model_len(config, self.spec)
         layer_ranges = stage_layer_ranges(self.spec.num_layers, config.pipeline_parallel_size,
                                           config.pp_layer_partition)
         self.pg = create_placement_group(config)
-        self.stages = start_stages(config, self.pg, layer_ranges, self.max_model_len)
+        self.stages = start_stages(config, self.pg, layer_ranges, self.max_model_len,
+                                   engine_id=self.engine_id)
         self.num_kv_blocks = self._size_kv_pool()
         ray.get([s.init_kv_cache.remote(self.num_kv_blocks) for s in self.stages])
         self.channels = open_channels(self.stages)
@@ -78,10 +81,16 @@ class Driver:
         self._plan_s = 0.0
         self._wait_s = 0.0
         self._mismatches_by_rank = [0] * pp
-        self.engine_id = uuid.uuid4().hex[:8]  # the `engine` tag of the metrics
         # ray.util.metrics, fed in batches (ray_runtime/metrics.py); None: disable_log_stats
         self.metrics: Optional[EngineMetrics] = None if config.disable_log_stats else \
             EngineMetrics(config.model, self.engine_id, pp, self._metric_totals)
+
+    def __repr__(self) -> str:
+        """Ray shows it on the dashboard's Actors page and before this actor's log lines."""
+        c = getattr(self, "config", None)
+        if c is None:
+            return "Driver()"
+        return f"Driver(engine={self.engine_id}, pp={c.pipeline_parallel_size}, model={c.model})"
 
     def _size_kv_pool(self) -> int:
         if self.config.num_kv_blocks is not None:

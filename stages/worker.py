@@ -16,9 +16,15 @@ from stages.transport import pick_rendezvous_address
 
 class StageWorker:
     def __init__(self, config: EngineConfig, rank: int, layer_range: tuple[int, int],
-                 max_model_len: int) -> None:
+                 max_model_len: int, engine_id: str = "") -> None:
+        self._desc = (f"rank={rank}/{config.pipeline_parallel_size}, "
+                      f"layers={layer_range[0]}-{layer_range[1] - 1}, engine={engine_id or '?'}")
         self.runner = StageRunner(config, rank, layer_range, max_model_len)
         self.loop: Optional[StepLoop] = None
+
+    def __repr__(self) -> str:
+        """Ray shows it on the dashboard's Actors page and before this actor's log lines."""
+        return f"StageWorker({getattr(self, '_desc', '')})"
 
     def node_info(self) -> dict:
         import os

@@ -82,3 +82,32 @@ def test_disable_log_stats_records_nothing(ray_cluster, tiny_model):
         assert llm.metrics_snapshot() is None
     with pytest.raises(ValueError, match="disable_log_stats"):
         LLM(tiny_model("llama"), disable_log_stats="yes")
+
+
+@pytest.mark.corrupts_ranks
+def test_bookkeeping_mismatches_by_rank_and_abort(ray_cluster, tiny_model, tmp_path):
+    """A corrupted rank shows in bookkeeping_mismatches{pp_rank}; with on_mismatch="raise"
+    the failed call's requests count as request_success{finished_reason=abort}."""
+    from tests.e2e import faults
+
+    prompts, budgets = stress_workload(seed=31, num_requests=6, max_len=60)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    params = [SamplingParams(max_tokens=b, temperature=0, ignore_eos=True) for b in budgets]
+    model = tiny_model("llama")
+    with LLM(model, pipeline_parallel_size=2, max_num_batched_tokens=32, digest_full_every=1) as llm:
+        llm.set_fault_hook(1, faults.CorruptComputedCounter(str(tmp_path / "a.json")))
+        llm.generate(reqs, params)  # repaired
+        stats = llm.stats()
+        m = llm.metrics_snapshot()["metrics"]
+    assert stats["bookkeeping_mismatches"] > 0
+    assert m["ray_pp:bookkeeping_mismatches"] == {"pp_rank=1": stats["bookkeeping_mismatches"]}
+    with LLM(model, pipeline_parallel_size=2, max_num_batched_tokens=32, on_mismatch="raise",
+             digest_full_every=1) as llm:
+        llm.set_fault_hook(1, faults.CorruptComputedCounter(str(tmp_path / "b.json")))
+        with pytest.raises(Exception, match="bookkeeping mismatch"):
+            llm.generate(reqs, params)
+        m = llm.metrics_snapshot()["metrics"]
+    success = m["ray_pp:request_success"]
+    assert success.get("finished_reason=abort", 0) + success.get("finished_reason=length", 0) \
+        == len(reqs) and success["finished_reason=abort"] > 0
+    assert m["ray_pp:bookkeeping_mismatches"] == {"pp_rank=1": 1}
