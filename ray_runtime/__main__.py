@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
 
@@ -65,13 +67,15 @@ def build_llm(args):
         from ray_runtime.demo_model import ensure_smollm2
 
         model = ensure_smollm2()
-    return LLM(model=model, pipeline_parallel_size=args.pipeline_parallel_size,
+    llm = LLM(model=model, pipeline_parallel_size=args.pipeline_parallel_size,
                pp_layer_partition=args.pp_layer_partition, device=args.device, dtype=args.dtype,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                max_model_len=args.max_model_len, placement_strategy=args.placement_strategy,
                async_scheduling=not args.sync, trace_file=args.trace_file,
                max_inflight_steps=args.max_inflight_steps, speculative_config=spec)
+    _install_signal_handlers()
+    return llm
 
 
 def default_sampling(args) -> SamplingParams:
@@ -80,8 +84,11 @@ def default_sampling(args) -> SamplingParams:
                           ignore_eos=args.ignore_eos, logprobs=args.logprobs)
 
 
-def read_requests(path: str, llm, defaults: SamplingParams):
-    prompts, params = [], []
+def read_requests(path: str, defaults: SamplingParams) -> list[tuple[str, object, SamplingParams]]:
+    """Every row of the input file, checked before any engine starts: (kind, prompt, params)
+    with kind "messages" (rendered with the chat template once the tokenizer is loaded),
+    "prompt_token_ids" or "prompt"."""
+    rows = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -90,17 +97,24 @@ def read_requests(path: str, llm, defaults: SamplingParams):
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not JSON: {e}") from None
-            if "messages" in row:
-                prompts.append(llm.render_chat(row["messages"]))
-            elif "prompt_token_ids" in row:
-                prompts.append({"prompt_token_ids": row["prompt_token_ids"]})
-            elif "prompt" in row:
-                prompts.append(row["prompt"])
-            else:
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{n}: a row must be a JSON object")
+            kind = next((k for k in ("messages", "prompt_token_ids", "prompt") if k in row), None)
+            if kind is None:
                 raise ValueError(f"{path}:{n}: needs 'prompt', 'prompt_token_ids' or 'messages'")
             overrides = row.get("sampling_params") or {}
-            params.append(SamplingParams(**{**_as_dict(defaults), **overrides}))
-    return prompts, params
+            try:
+                params = SamplingParams(**{**_as_dict(defaults), **overrides})
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{path}:{n}: sampling_params: {e}") from None
+            rows.append((kind, row[kind], params))
+    return rows
+
+
+def render_prompts(rows, llm) -> tuple[list, list[SamplingParams]]:
+    prompts = [llm.render_chat(v) if kind == "messages" else
+               {"prompt_token_ids": v} if kind == "prompt_token_ids" else v for kind, v, _ in rows]
+    return prompts, [p for _, _, p in rows]
 
 
 def _as_dict(sp: SamplingParams) -> dict:
@@ -108,18 +122,24 @@ def _as_dict(sp: SamplingParams) -> dict:
 
 
 def cmd_generate(args) -> int:
+    rows = read_requests(args.input, default_sampling(args))  # bad input: exit 2, no engine
     with build_llm(args) as llm:
-        prompts, params = read_requests(args.input, llm, default_sampling(args))
+        prompts, params = render_prompts(rows, llm)
+        print(f"generating {len(prompts)} requests", flush=True)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - t0
-        with open(args.output, "w") as f:
+        # Written whole to a temporary file, then renamed into place: an interrupted run
+        # never leaves a partial file under the output's name.
+        tmp = f"{args.output}.tmp.{os.getpid()}"
+        with open(tmp, "w") as f:
             for i, out in enumerate(outs):
                 c = out.outputs[0]
                 f.write(json.dumps({"index": i, "request_id": out.request_id, "prompt": out.prompt,
                                     "text": c.text, "token_ids": c.token_ids,
                                     "finish_reason": c.finish_reason,
                                     "num_prompt_tokens": len(out.prompt_token_ids)}) + "\n")
+        os.replace(tmp, args.output)
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         print(f"{len(outs)} requests, {n_out} output tokens in {elapsed:.2f}s "
               f"({n_out / elapsed:.1f} tok/s); stats: {json.dumps(llm.stats())}")
@@ -186,11 +206,33 @@ def main(argv=None) -> int:
     demo.add_argument("--max-tokens", type=int, default=96)
     demo.add_argument("--result-json", default=None, help="also write the figures here")
     args = parser.parse_args(argv)
+    _install_signal_handlers()
     try:
         return cmd_generate(args) if args.command == "generate" else cmd_demo(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        signum = _signal_received[0] if _signal_received else signal.SIGINT
+        print(f"interrupted by {signal.Signals(signum).name}: stopped, no output written",
+              file=sys.stderr)
+        return 128 + signum
+
+
+_signal_received: list[int] = []
+
+
+def _install_signal_handlers() -> None:
+    """Again after connecting to Ray, whose core worker installs its own SIGTERM handler."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupted)
+
+
+def _interrupted(signum, frame) -> None:
+    """SIGINT or SIGTERM: raised as KeyboardInterrupt (what a blocked ray.get passes on);
+    LLM.__exit__ then kills the engine at once instead of draining it."""
+    _signal_received.append(signum)
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -176,18 +176,25 @@ class LLM:
         """Run every invariant check: scheduler, block pool, and each rank's InputBatch."""
         ray.get(self._driver.check.remote())
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the engine. graceful=False (an interrupt): kill the driver at once without
+        waiting for a running call; its stages and placement group die with it."""
         if self._closed:
             return
         self._closed = True
         try:
-            self.final_stats = ray.get(self._driver.stats.remote(), timeout=60)
-            ray.get(self._driver.shutdown.remote(), timeout=60)
+            if graceful:
+                self.final_stats = ray.get(self._driver.stats.remote(), timeout=60)
+                ray.get(self._driver.shutdown.remote(), timeout=60)
         finally:
-            ray.kill(self._driver)
+            try:
+                ray.kill(self._driver)
+            except Exception:  # noqa: BLE001 - already gone: nothing left to stop
+                pass
 
     def __enter__(self) -> "LLM":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
+    def __exit__(self, exc_type, *exc) -> None:
+        # An interrupt must not wait behind the call it interrupted.
+        self.shutdown(graceful=exc_type is None or issubclass(exc_type, Exception))

@@ -2,8 +2,12 @@
 jsonl out, joining the running cluster."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+
+import pytest
 
 from tests.conftest import ROOT, stress_workload
 from tests.reference import assert_matches, hf_greedy
@@ -43,6 +47,9 @@ def test_cli_rejects_bad_input_with_exit_2(ray_cluster, tiny_model, tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "top_p" in proc.stderr
+    assert "bad.jsonl:1" in proc.stderr, "the error names the file and line"
+    assert "Connecting" not in proc.stderr and "stage 0" not in proc.stderr, \
+        "the input file is checked before any engine starts"
 
 
 def test_cli_rejects_bad_speculative_config_with_exit_2(tiny_model, tmp_path):
@@ -67,3 +74,46 @@ def test_cli_rejects_bad_max_inflight_steps_with_exit_2(tiny_model, tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "max_inflight_steps" in proc.stderr, proc.stderr[-2000:]
+
+
+def _long_job(tmp_path, model):
+    src = tmp_path / "long.jsonl"
+    with open(src, "w") as f:
+        for i in range(48):
+            f.write(json.dumps({"prompt_token_ids": list(range(3 + i, 40 + i))}) + "\n")
+    return src
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_cli_stops_on_a_signal_within_5s_and_writes_no_output(ray_cluster, tiny_model, tmp_path,
+                                                                sig, code):
+    """Ctrl-C (or a job stop's SIGTERM) while the engine generates: exit 128 + signal within
+    5 s, one line saying so, and no file under the output's name (nor a temporary one)."""
+    model = tiny_model("llama")
+    dst = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "ray_runtime", "generate", "--model", model,
+           "--pipeline-parallel-size", "2", "--input", str(_long_job(tmp_path, model)),
+           "--output", str(dst), "--max-tokens", "460", "--ignore-eos"]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        line = ""
+        while "generating" not in line:  # the engine is up and the call is running
+            assert time.monotonic() < deadline, "the CLI never started generating"
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(1)
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert rc == code, err[-3000:]
+    assert took < 5, f"took {took:.1f}s to stop"
+    assert f"interrupted by {signal.Signals(sig).name}" in err
+    assert not dst.exists() and not list(tmp_path.glob("out.jsonl.tmp.*"))
