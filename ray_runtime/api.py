@@ -1,6 +1,7 @@
 """The Python API: LLM and generate(), with vLLM's names and shapes."""
 from __future__ import annotations
 
+import logging
 import math
 import os
 import uuid
@@ -177,8 +178,8 @@ class LLM:
         ray.get(self._driver.check.remote())
 
     def shutdown(self, graceful: bool = True) -> None:
-        """Stop the engine. graceful=False (an interrupt): kill the driver at once without
-        waiting for a running call; its stages and placement group die with it."""
+        """Stop the engine; never raises. graceful=False (an interrupt): kill the driver at
+        once without waiting for a running call; its stages and placement group die with it."""
         if self._closed:
             return
         self._closed = True
@@ -186,6 +187,10 @@ class LLM:
             if graceful:
                 self.final_stats = ray.get(self._driver.stats.remote(), timeout=60)
                 ray.get(self._driver.shutdown.remote(), timeout=60)
+        except Exception as e:  # noqa: BLE001 - shutdown never raises: the kill below stops it
+            logging.getLogger(__name__).warning(
+                "shutdown: the engine did not stop cleanly (%s: %s); killed it",
+                type(e).__name__, e)
         finally:
             try:
                 ray.kill(self._driver)

@@ -46,7 +46,9 @@ def create_placement_group(config: EngineConfig):
 
 
 def start_stages(config: EngineConfig, pg, layer_ranges: list[tuple[int, int]],
-                 max_model_len: int, engine_id: str = "") -> list:
+                 max_model_len: int, engine_id: str = "") -> tuple[list, list[dict]]:
+    """The stage actors in rank order, and where each runs (rank, layers, node id and
+    address, pid, GPU ids)."""
     from stages.worker import StageWorker  # stages import ray_runtime's messages: no cycle at load
 
     remote_cls = ray.remote(StageWorker)
@@ -62,12 +64,13 @@ def start_stages(config: EngineConfig, pg, layer_ranges: list[tuple[int, int]],
                                                         engine_id=engine_id))
     infos = ray.get([s.node_info.remote() for s in stages])
     for info in infos:
-        logger.info("stage %d: layers %s on node %s (pid %d)", info["rank"], info["layers"],
-                    info["node_id"][:8], info["pid"])
+        logger.info("stage %d: layers %s on node %s (%s, pid %d, GPUs %s)", info["rank"],
+                    info["layers"], info["node_id"][:8], info["node_ip"], info["pid"],
+                    info["gpu_ids"] or "none")
     if config.pipeline_parallel_size > 1:
         host, port = ray.get(stages[0].rendezvous_address.remote())
         ray.get([s.init_transport.remote(host, port) for s in stages])
-    return stages
+    return stages, infos
 
 
 def open_channels(stages: list) -> list:

@@ -51,8 +51,8 @@ class Driver:
         layer_ranges = stage_layer_ranges(self.spec.num_layers, config.pipeline_parallel_size,
                                           config.pp_layer_partition)
         self.pg = create_placement_group(config)
-        self.stages = start_stages(config, self.pg, layer_ranges, self.max_model_len,
-                                   engine_id=self.engine_id)
+        self.stages, self.stage_placement = start_stages(
+            config, self.pg, layer_ranges, self.max_model_len, engine_id=self.engine_id)
         self.num_kv_blocks = self._size_kv_pool()
         ray.get([s.init_kv_cache.remote(self.num_kv_blocks) for s in self.stages])
         self.channels = open_channels(self.stages)
@@ -274,7 +274,9 @@ class Driver:
                 "driver_audit_s": self._audit_s, "stage_digest_s": list(self._digest_s),
                 "stage_busy_s": list(t.busy_s),
                 "stage_gpu_busy_s": list(self._gpu_busy_s) if self.config.device == "cuda" else None, "stage_idle_s": list(t.idle_s),
-                "stage_idle_fraction": t.idle_fractions()}
+                "stage_idle_fraction": t.idle_fractions(),
+                # where each stage runs: rank, layers, node id and address, pid, GPU ids
+                "stage_placement": [dict(p) for p in self.stage_placement]}
 
     def _metric_totals(self) -> dict:
         """The cumulative counts and current gauges that metrics flush records (the same

@@ -32,7 +32,9 @@ class StageWorker:
         import ray
 
         ctx = ray.get_runtime_context()
-        return {"rank": self.runner.rank, "node_id": ctx.get_node_id(), "pid": os.getpid(),
+        return {"rank": self.runner.rank, "node_id": ctx.get_node_id(),
+                "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                 "layers": list(self.runner.model.layer_range)}
 
     def rendezvous_address(self) -> tuple[str, int]:

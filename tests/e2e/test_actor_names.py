@@ -29,3 +29,28 @@ def test_driver_and_stages_are_named_and_readable(ray_cluster, tiny_model):
             assert info["rank"] == rank and info["layers"] == [first, last + 1]
             assert _repr_name(stage) == \
                 f"StageWorker(rank={rank}/2, layers={first}-{last}, engine={eid})"
+
+
+def test_stats_say_where_each_stage_runs(ray_cluster, tiny_model):
+    with LLM(tiny_model("llama"), pipeline_parallel_size=2, num_kv_blocks=16,
+             max_model_len=128) as llm:
+        placement = llm.stats()["stage_placement"]
+    nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+    assert [p["rank"] for p in placement] == [0, 1]
+    assert [p["layers"] for p in placement] == [[0, 3], [3, 5]]
+    for p in placement:
+        assert nodes.get(p["node_id"]) == p["node_ip"], p
+        assert p["gpu_ids"] == [] and p["pid"] > 0  # a CPU engine
+
+
+def test_a_dead_driver_fails_fast_and_shutdown_does_not_raise(ray_cluster, tiny_model):
+    import pytest
+
+    from ray_runtime import SamplingParams
+
+    llm = LLM(tiny_model("llama"), pipeline_parallel_size=2, num_kv_blocks=16, max_model_len=128)
+    ray.kill(ray.get_actor(f"ray_pp-{llm.info['engine_id']}-driver"))
+    with pytest.raises(ray.exceptions.RayActorError):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2))
+    llm.shutdown()  # must not raise
+    assert llm.final_stats is None
