@@ -28,6 +28,7 @@ import numpy as np
 from ray_runtime.digest import rows_hash, spans_hash_delta
 from ray_runtime.messages import CachedRequestData, NewRequestData, RowDigest, StepPlan
 from ray_runtime.sampling_params import SamplingParams
+from stages.plan_view import PlanView, plan_view
 
 POISON = -1  # token id stored past a row's known prefix; embedding it fails loudly
 
@@ -75,8 +76,8 @@ class InputBatch:
         # The digest's running hash: token_hash over token_ids[slot, :hash_len] (see
         # ray_runtime/digest.py), moved to each step's driver length in O(tokens moved). A
         # write below hash_len rewinds hash_len to it; a full recompute (every
-        # digest_full_every steps, and every step under debug_checks) catches what no write
-        # path saw (a corrupted cell) and resets the running state.
+        # digest_full_every-th digest of the request, and every step under debug_checks)
+        # catches what no write path saw (a corrupted cell) and resets the running state.
         self.hash_len = np.zeros(max_num_seqs, np.int64)
         self.hash_val = np.zeros(max_num_seqs, np.uint64)
         self.num_digests = np.zeros(max_num_seqs, np.int64)  # digests of the slot's tenant
@@ -97,7 +98,9 @@ class InputBatch:
         """update() for each delta. The common one (a single token, no drafts either side, new
         blocks only appended) runs as array operations; any other, or one that update()
         would refuse, goes through update() itself."""
-        simple = [d for d in deltas if len(d.new_token_ids) == 1 and not d.draft_token_ids]
+        simple, rest = [], []
+        for d in deltas:
+            (simple if len(d.new_token_ids) == 1 and not d.draft_token_ids else rest).append(d)
         if len(simple) < self.array_path_min:
             for d in deltas:
                 self.update(d)
@@ -111,24 +114,18 @@ class InputBatch:
         have = self.num_blocks[rows]
         bstart = np.fromiter((-1 if d.block_start is None else d.block_start for d in simple),
                              np.int64, len(simple))
-        fast = ((bstart < 0) | (bstart == have)) & (self.num_draft_tokens[rows] == 0) & (self.num_unresolved_drafts[rows] == 0) \
+        fast = ((bstart < 0) | (bstart == have)) & (have + nblocks <= self.block_table.shape[1]) \
+            & (self.num_draft_tokens[rows] == 0) & (self.num_unresolved_drafts[rows] == 0) \
             & (starts <= known) & ~(grows & (self.num_pending_samples[rows] > 0)) \
-            & (starts + 1 <= self.max_model_len) \
-            & (self.num_blocks[rows] + nblocks <= self.block_table.shape[1])
-        for d, ok in zip(simple, fast.tolist()):
-            if not ok:
-                self.update(d)
-        for d in deltas:
-            if not (len(d.new_token_ids) == 1 and not d.draft_token_ids):
-                self.update(d)
+            & (starts + 1 <= self.max_model_len)
+        fast_list = fast.tolist()
+        for d in rest + [d for d, ok in zip(simple, fast_list) if not ok]:
+            self.update(d)
         rows, starts, tokens, known, grows = rows[fast], starts[fast], tokens[fast], known[fast], grows[fast]
-        fast_deltas = [d for d, ok in zip(simple, fast.tolist()) if ok]
+        fast_deltas = [d for d, ok in zip(simple, fast_list) if ok]
         rewind = starts < self.hash_len[rows]  # the running hash covers the cell
         if rewind.any():
-            r = rows[rewind]
-            with np.errstate(over="ignore"):
-                self.hash_val[r] -= spans_hash_delta(self.token_ids, r, starts[rewind], self.hash_len[r])
-            self.hash_len[r] = starts[rewind]
+            self._rewind_hashes(rows[rewind], starts[rewind])
         overlap = ~grows
         np.add.at(self.num_conflicts, rows[overlap], self.token_ids[rows[overlap], starts[overlap]]
                   != tokens[overlap])
@@ -235,7 +232,7 @@ class InputBatch:
         if end > self.max_model_len:
             raise ValueError(f"request {req_id!r}: {end} tokens > max_model_len {self.max_model_len}")
         if start < self.hash_len[row]:  # the running hash covers cells about to be rewritten
-            self._rewind_hash(row, start)
+            self._rewind_hashes(np.array([row]), np.array([start]))
         overlap = min(end, known) - start
         if overlap == 1:  # the common case (a decode step's token): no array round trip
             self.num_conflicts[row] += int(self.token_ids[row, start]) != tokens[0]
@@ -353,11 +350,9 @@ class InputBatch:
 
     def digests(self, plan: StepPlan, full: bool = False, full_every: int = 0) -> list[RowDigest]:
         """digests_of(plan_view(plan, self)): for callers without a view at hand."""
-        from stages.plan_view import plan_view
-
         return self.digests_of(plan_view(plan, self), full, full_every)
 
-    def digests_of(self, view, full: bool = False, full_every: int = 0) -> list[RowDigest]:
+    def digests_of(self, view: PlanView, full: bool = False, full_every: int = 0) -> list[RowDigest]:
         """Fingerprints of every request the step runs, over the prefix it stands on (the
         view's digest_len). The running hashes move by the tokens since the last digest; a
         slot's hash is recomputed from its contents instead (and the running state reset to
@@ -385,12 +380,12 @@ class InputBatch:
             self.num_conflicts[rows].tolist(), drafts.tolist())]
 
     # ---- internals -----------------------------------------------------------------------
-    def _rewind_hash(self, row: int, length: int) -> None:
-        start = np.array([length], np.int64)
-        delta = spans_hash_delta(self.token_ids, np.array([row]), start, self.hash_len[row:row + 1])
+    def _rewind_hashes(self, rows: np.ndarray, lengths: np.ndarray) -> None:
+        """Take the running hashes of `rows` back to `lengths` (each below its hash_len),
+        before the cells past them are rewritten."""
         with np.errstate(over="ignore"):
-            self.hash_val[row] -= delta[0]
-        self.hash_len[row] = length
+            self.hash_val[rows] -= spans_hash_delta(self.token_ids, rows, lengths, self.hash_len[rows])
+        self.hash_len[rows] = lengths
 
     def _take_free_slot(self) -> int:
         if not self._free_slots:

@@ -39,8 +39,9 @@ class LastRank:
                     step: LaunchedStep) -> None:
         """Sample the step's requests: on the device (deferred) when nothing on the host
         needs the tokens now; otherwise at once, folded into the batch, with next drafts."""
-        if self._can_defer(inputs):
-            self._sample_deferred(hidden, inputs, step)
+        params = [self.batch.sampling[r] for r in inputs.sample_slots.tolist()]
+        if self._can_defer(params):
+            self._sample_deferred(hidden, inputs, params, step)
             return
         out = self._sample(step_id, hidden, inputs)
         # The last rank holds its samples at once: with PP=1 the next plan may already
@@ -50,18 +51,18 @@ class LastRank:
             out.draft_token_ids = self._propose(out.req_ids)
         step.sampler_output = out
 
-    def _can_defer(self, inputs: "StepInputs") -> bool:
-        """Whether the step's samples may stay on the device until finish: not when drafts
-        are verified or proposed (host logic on the tokens), nor for logprobs."""
-        if self.spec_config is not None or not inputs.sample_req_ids:
+    def _can_defer(self, params: list[SamplingParams]) -> bool:
+        """Whether the step's samples (params: each sampled request's) may stay on the device
+        until finish: not when drafts are verified or proposed (host logic on the tokens),
+        nor for logprobs."""
+        if self.spec_config is not None or not params:
             return False
-        b = self.batch
-        return not any(b.sampling[r].logprobs is not None for r in inputs.sample_slots.tolist())
+        return not any(sp.logprobs is not None for sp in params)
 
-    def _sample_deferred(self, hidden: torch.Tensor, inputs: "StepInputs", step: "LaunchedStep") -> None:
+    def _sample_deferred(self, hidden: torch.Tensor, inputs: StepInputs,
+                         params: list[SamplingParams], step: LaunchedStep) -> None:
         b = self.batch
         logits = self.model.compute_logits(hidden.index_select(0, inputs.device.sample_token_index))
-        params = [b.sampling[r] for r in inputs.sample_slots.tolist()]
         tokens = self.sampler.sample(logits, params, inputs.sample_output_index)
         slots = inputs.sample_slots
         self.last_sampled[inputs.device.sample_slots] = tokens

@@ -269,7 +269,7 @@ class StageRunner:
             b.block_table, rows, starts, num_new, self.config.block_size, self.device,
             to_device=self.staging, layout=layout, device_table=self.device_table,
             extras=[token_ids, patch_index, patch_slot, sample_token_index, sample_slots])
-        return StepInputs(token_ids=token_ids, rows=rows, meta=meta, num_new=num_new,
+        return StepInputs(rows=rows, meta=meta, num_new=num_new,
                           num_tokens=len(positions),
                           sample_req_ids=[view.req_ids[i] for i in sample],
                           sample_slots=sample_slots,

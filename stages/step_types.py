@@ -14,7 +14,6 @@ from stages.model import AttentionMetadata
 
 @dataclass
 class StepInputs:
-    token_ids: np.ndarray  # [num_tokens]
     rows: np.ndarray  # the batch row of each scheduled request
     num_new: np.ndarray  # tokens each scheduled request runs (the plan's, or fewer if self-drafted)
     meta: AttentionMetadata
