@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import uuid
 from typing import Optional, Sequence, Union
 
 import ray
 
-from ray_runtime.cluster import driver_actor_name
+from ray_runtime.cluster import connect_ray, driver_actor_name
 from ray_runtime.config import EngineConfig, parse_partition, stage_layer_ranges
 from ray_runtime.driver import Driver, resolve_max_model_len
 from ray_runtime.messages import FinishedRequest, RequestSpec
@@ -20,18 +19,6 @@ from ray_runtime.validation import as_params_list, as_prompt_list, parse_prompt,
 from stages.model_spec import ModelSpec
 
 PromptType = Union[str, dict, Sequence[int]]  # text, {prompt, prompt_token_ids}, token ids
-
-
-def connect_ray(config: EngineConfig) -> None:
-    """Join the cluster that is there (`ray job submit`, RAY_ADDRESS, a running local
-    cluster); start a local one only when there is none."""
-    if ray.is_initialized():
-        return
-    try:
-        ray.init(address="auto")
-    except (ConnectionError, RuntimeError):
-        need = math.ceil(config.pipeline_parallel_size * config.num_cpus_per_stage)
-        ray.init(num_cpus=max(os.cpu_count() or 1, need))
 
 
 def load_tokenizer(model_dir: str):

@@ -3,6 +3,8 @@ inter-stage process group wired with an OS-chosen port."""
 from __future__ import annotations
 
 import logging
+import math
+import os
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -21,6 +23,18 @@ def driver_actor_name(engine_id: str) -> str:
 def stage_actor_name(engine_id: str, rank: int, pp_size: int, layer_range: tuple[int, int]) -> str:
     """A stage actor's name: engine, rank of how many, and its decoder layers (inclusive)."""
     return f"ray_pp-{engine_id}-stage{rank}of{pp_size}-layers{layer_range[0]}-{layer_range[1] - 1}"
+
+
+def connect_ray(config: EngineConfig) -> None:
+    """Join the cluster that is there (`ray job submit`, RAY_ADDRESS, a running local
+    cluster); start a local one only when there is none."""
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address="auto")
+    except (ConnectionError, RuntimeError):
+        need = math.ceil(config.pipeline_parallel_size * config.num_cpus_per_stage)
+        ray.init(num_cpus=max(os.cpu_count() or 1, need))
 
 
 def stage_bundle(config: EngineConfig) -> dict:
