@@ -8,6 +8,7 @@ ints, finite floats).
 """
 from __future__ import annotations
 
+import enum
 from typing import Optional
 
 import msgspec
@@ -17,6 +18,14 @@ from ray_runtime.checks import INT64_MAX, as_bool, as_float, as_int, as_int_list
 # vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling. Dividing logits by a smaller
 # one overflows float32 to inf, and softmax of inf - inf is NaN.
 SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's names: what each RequestOutput of a streamed request carries."""
+
+    CUMULATIVE = 0  # everything so far
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # nothing until the request finishes (LLM.generate)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -35,6 +44,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     logprobs: Optional[int] = None  # None: none; n >= 0: the chosen token plus the top n
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    n: int = 1
+    stop: Optional[list[str]] = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -60,6 +73,13 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         if self.logprobs is not None:
             self.logprobs = as_int(self.logprobs, f + "logprobs", 0, 20, "in [0, 20] or None")
         self.detokenize = as_bool(self.detokenize, f + "detokenize")
+        self.n = as_int(self.n, f + "n", 1, 128, "in [1, 128]")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.include_stop_str_in_output = as_bool(self.include_stop_str_in_output,
+                                                  f + "include_stop_str_in_output")
+        self.output_kind = RequestOutputKind(as_int(
+            self.output_kind, f + "output_kind", 0, 2, "a RequestOutputKind (0, 1 or 2)"))
 
     @property
     def is_greedy(self) -> bool:

@@ -165,6 +165,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_finished(self) -> bool:
+        """Finished requests that pop_finished has not returned yet."""
+        return bool(self._finished)
+
     def pop_finished(self) -> list[Request]:
         """The requests finished since the last call, in the order they were added; they
         leave `requests`. O(finished): no scan of the queue."""
