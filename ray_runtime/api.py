@@ -55,20 +55,27 @@ class LLM(EngineClient):
 
     def _run(self, processor: OutputProcessor, order: list[str], specs, progress: Progress
              ) -> list[RequestOutput]:
+        """Add the requests, then poll until each has finished or failed. If any failed,
+        RequestFailed (its `finished`: the ones that did not)."""
         driver = self._driver
         done: dict[str, RequestOutput] = {}
-        ray.get(driver.add_requests.remote(specs))
+        failed: dict[str, str] = {}
         try:
-            while len(done) < len(order):
+            ray.get(driver.add_requests.remote(specs))
+            while len(done) + len(failed) < len(order):
                 outs, aborts = processor.process(ray.get(driver.get_outputs.remote(POLL_S)))
                 if aborts:
                     driver.abort.remote(aborts)
                 for out in outs:
                     if out.error is not None:
-                        raise RequestFailed(out.error)
-                    done[out.request_id] = out
-                    progress.update(sum(len(c.token_ids) for c in out.outputs))
+                        failed[out.request_id] = out.error
+                    else:
+                        done[out.request_id] = out
+                        progress.update(sum(len(c.token_ids) for c in out.outputs))
                 progress.tick()
+        except ray.exceptions.RayActorError as e:
+            raise RuntimeError(f"the engine's driver actor died ({e.__class__.__name__}); "
+                               "shut this LLM down and create a new one") from e
         except BaseException:
             # This call's requests still running stop now; the engine goes on serving.
             left = [e for rid in order for e in processor.engine_ids(rid)]
@@ -81,6 +88,10 @@ class LLM(EngineClient):
             raise
         finally:
             progress.close()
+        if failed:
+            first = next(failed[rid] for rid in order if rid in failed)
+            raise RequestFailed(f"{len(failed)} of {len(order)} requests failed: {first}",
+                                finished=[done[rid] for rid in order if rid in done])
         return [done[rid] for rid in order]
 
     def _drain(self, processor: OutputProcessor, left: list[str], timeout_s: float = 30.0) -> None:

@@ -45,15 +45,13 @@ class Driver:
         self.max_model_len = resolve_max_model_len(config, self.spec)
         layer_ranges = stage_layer_ranges(self.spec.num_layers, config.pipeline_parallel_size,
                                           config.pp_layer_partition)
-        self.pg = create_placement_group(config)
-        self.stages, self.stage_placement = start_stages(
-            config, self.pg, layer_ranges, self.max_model_len, engine_id=self.engine_id)
-        self.num_kv_blocks = self._size_kv_pool()
-        ray.get([s.init_kv_cache.remote(self.num_kv_blocks) for s in self.stages])
-        ranks = ChannelRanks(open_channels(self.stages), config.step_timeout_s)
+        self.layer_ranges = layer_ranges
+        self.num_kv_blocks: Optional[int] = None
+        ranks = self._start_ranks()
         self.core = EngineCore(config, ranks, num_kv_blocks=self.num_kv_blocks,
                                max_model_len=self.max_model_len,
-                               eos_token_ids=self.spec.eos_token_ids, engine_id=self.engine_id)
+                               eos_token_ids=self.spec.eos_token_ids, engine_id=self.engine_id,
+                               replace_ranks=self._replace_ranks)
         self.loop = EngineLoop(self.core, on_idle=self._write_trace)
 
     def __repr__(self) -> str:
@@ -62,6 +60,39 @@ class Driver:
         if c is None:
             return "Driver()"
         return f"Driver(engine={self.engine_id}, pp={c.pipeline_parallel_size}, model={c.model})"
+
+    def _start_ranks(self) -> ChannelRanks:
+        """Place the stages, load their layers, size (first time) and allocate the KV pool,
+        and open a channel to each."""
+        config = self.config
+        self.pg = create_placement_group(config)
+        self.stages, self.stage_placement = start_stages(
+            config, self.pg, self.layer_ranges, self.max_model_len, engine_id=self.engine_id)
+        if self.num_kv_blocks is None:
+            self.num_kv_blocks = self._size_kv_pool()
+        ray.get([s.init_kv_cache.remote(self.num_kv_blocks) for s in self.stages])
+        return ChannelRanks(open_channels(self.stages), config.step_timeout_s)
+
+    def _replace_ranks(self, error: BaseException) -> ChannelRanks:
+        """Stage recovery (in the loop thread): every stage actor and the placement group go
+        (the lost one may be dead, stalled or on a dead node; the survivors' link and KV are
+        useless without it), and a new set is placed, loaded and connected. Ray places the
+        new bundles wherever resources are, waiting up to placement_timeout_s."""
+        self.core.ranks.abandon()
+        self._stop_stages(graceful=False)
+        return self._start_ranks()
+
+    def _stop_stages(self, graceful: bool) -> None:
+        try:
+            if graceful:
+                ray.get([s.close.remote() for s in self.stages], timeout=30)
+        finally:
+            for s in self.stages:
+                try:
+                    ray.kill(s)
+                except Exception:  # noqa: BLE001 - already dead
+                    pass
+            remove_placement_group(self.pg)
 
     def _size_kv_pool(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -107,19 +138,28 @@ class Driver:
         return None if m is None else self.loop.call(lambda core: m.snapshot())
 
     def check(self) -> None:
-        """Every invariant: the scheduler's, between two steps, and each rank's."""
-        self.loop.call(lambda core: core.scheduler.check())
-        ray.get([s.check.remote() for s in self.stages])
+        """Every invariant, in the loop thread between two steps: the scheduler's, each
+        rank's, and, when no step is in flight, that every rank holds a slot for exactly the
+        driver's view."""
+        def check_all(core):
+            core.scheduler.check()
+            ray.get([s.check.remote() for s in self.stages])
+            view = core.rank_view()
+            if view is None:
+                return
+            for rank, held in enumerate(ray.get([s.live_req_ids.remote() for s in self.stages])):
+                if set(held) != view:
+                    raise AssertionError(
+                        f"rank {rank} holds slots for {sorted(set(held) - view)} that the "
+                        f"driver does not expect, and lacks {sorted(view - set(held))}")
+
+        self.loop.call(check_all)
 
     def set_fault_hook(self, rank: int, hook) -> None:
         self.loop.call(lambda core: ray.get(self.stages[rank].set_fault_hook.remote(hook)))
 
     def shutdown(self) -> None:
         self.loop.stop()
+        self._write_trace()
         self.core.ranks.close()
-        try:
-            ray.get([s.close.remote() for s in self.stages], timeout=30)
-        finally:
-            for s in self.stages:
-                ray.kill(s)
-            remove_placement_group(self.pg)
+        self._stop_stages(graceful=True)

@@ -16,8 +16,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Optional
+from typing import Callable, Optional
 
+from ray_runtime.channel import ChannelClosed
 from ray_runtime.config import EngineConfig
 from ray_runtime.messages import RequestDelta, RequestSpec, StageStepResult, encode
 from ray_runtime.metrics import EngineMetrics
@@ -41,7 +42,8 @@ def streams(spec_sampling) -> bool:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, ranks: RankLink, *, num_kv_blocks: int,
-                 max_model_len: int, eos_token_ids, engine_id: str = "local") -> None:
+                 max_model_len: int, eos_token_ids, engine_id: str = "local",
+                 replace_ranks: Optional[Callable[[BaseException], RankLink]] = None) -> None:
         self.config = config
         self.ranks = ranks
         self.num_kv_blocks = num_kv_blocks
@@ -76,6 +78,10 @@ class EngineCore:
         self.plan_s = 0.0
         self.wait_s = 0.0
         self.last_progress = time.monotonic()  # when a step last completed (check_health)
+        # Stage recovery: a callable that tears the ranks down and returns new, empty ones.
+        self.replace_ranks = replace_ranks
+        self.num_stage_restarts = 0
+        self.recovery_s: list[float] = []  # how long each replacement took
 
     # ---- requests in ---------------------------------------------------------------------
     def add_request(self, spec: RequestSpec) -> None:
@@ -121,25 +127,66 @@ class EngineCore:
         return self._deltas(advanced, sched.pop_finished())
 
     def fail(self, error: BaseException) -> list[RequestDelta]:
-        """After `step` raised: every unfinished request ends with the error (reported to its
-        caller), and the in-flight steps are drained (replies dropped) so that the engine is
-        ready for new requests. A link that cannot be drained is `ranks.broken`."""
+        """After `step` raised. A lost rank (its channel closed, or silent past the step
+        deadline) is replaced and every unfinished request recomputed from its tokens, up to
+        max_stage_restarts times: nothing is reported, the requests go on. Otherwise every
+        unfinished request ends with the error (reported to its caller), and the in-flight
+        steps are drained (replies dropped) so that the engine is ready for new requests.
+        A link that cannot be drained is `ranks.broken`."""
+        not_recovered = self._recover(error)
+        if not_recovered is None:
+            return []
+        msg = f"{type(error).__name__}: {error}{not_recovered}"
         sched = self.scheduler
         failed = list(sched.requests)
         for req_id in failed:
             sched.abort_request(req_id)
-        self.ranks.drain(len(self._inflight), broken=error)
+        if self.ranks.broken is None:
+            self.ranks.drain(len(self._inflight), broken=error)
         self._inflight.clear()
         done = sched.pop_finished()
         if self.metrics is not None:
             self.metrics.on_finished(done, time.time())
-        msg = f"{type(error).__name__}: {error}"
         out = []
         for req in done:
             self._streamed.pop(req.req_id, None)
             out.append(RequestDelta(req.req_id, [], True, "abort", None, req.num_preemptions,
                                     error=msg))
         return out
+
+    @staticmethod
+    def _is_loss(error: BaseException) -> bool:
+        """A rank is gone or stuck (its channel closed, or silent past the step deadline),
+        as opposed to a rank that reported an error and goes on."""
+        return isinstance(error, (ChannelClosed, TimeoutError))
+
+    def _recover(self, error: BaseException) -> Optional[str]:
+        """Replace the ranks after a loss; None if done, else why not (for the message)."""
+        if not self._is_loss(error) or self.replace_ranks is None:
+            return ""
+        if self.num_stage_restarts >= self.config.max_stage_restarts:
+            logger.error("a stage was lost (%s) and max_stage_restarts=%d are spent", error,
+                         self.config.max_stage_restarts)
+            return (f" (a stage was lost and max_stage_restarts="
+                    f"{self.config.max_stage_restarts} replacements are spent)")
+        t0 = time.monotonic()
+        logger.warning("a stage was lost (%s): replacing the stages, then recomputing the "
+                       "unfinished requests", error)
+        try:
+            self.ranks = self.replace_ranks(error)
+        except Exception as e:  # noqa: BLE001 - no stages to run on: the engine is done
+            logger.exception("replacing the stages failed")
+            self.ranks.broken = f"a stage was lost ({error}) and replacing it failed: {e}"
+            return f" (a stage was lost and replacing it failed: {type(e).__name__}: {e})"
+        self._inflight.clear()
+        requeued = self.scheduler.requeue_all()
+        self.num_stage_restarts += 1
+        self.recovery_s.append(time.monotonic() - t0)
+        self.last_progress = time.monotonic()
+        logger.warning("stages replaced in %.2f s; %d requests recomputed (restart %d of %d)",
+                       self.recovery_s[-1], requeued, self.num_stage_restarts,
+                       self.config.max_stage_restarts)
+        return None
 
     def _fill_pipeline(self) -> None:
         """Plan and launch steps until max_inflight are out or nothing more can run now:
@@ -162,7 +209,7 @@ class EngineCore:
         """Read, audit and commit the oldest step; the ids it sampled for."""
         record = self._inflight.popleft()
         t0 = time.time()
-        results = self.ranks.read_replies()
+        results = self.ranks.read_replies(record.plan.step_id)
         t1 = time.time()
         self.wait_s += t1 - t0
         self.trace.driver_span("wait", t0, t1, step=record.plan.step_id)
@@ -235,6 +282,15 @@ class EngineCore:
                             req.is_finished, req.finish_reason, req.stop_reason,
                             req.num_preemptions, lps, ranks)
 
+    def rank_view(self) -> Optional[set[str]]:
+        """The requests every rank must hold a slot for now: running ones, and those removed
+        since the last plan (they leave with the next one). None while steps are in flight
+        (the ranks may be mid-step)."""
+        if self._inflight:
+            return None
+        s = self.scheduler
+        return {r.req_id for r in s.running} | set(s.pending_removals)
+
     # ---- bookkeeping ---------------------------------------------------------------------
     def stats(self) -> dict:
         s, t = self.scheduler, self.trace
@@ -256,6 +312,8 @@ class EngineCore:
                                          if s.spec_num_draft_tokens else None),
                 "spec_num_rolled_back_blocks": s.num_rolled_back_blocks,
                 "async_scheduling": self.config.async_scheduling,
+                "num_stage_restarts": self.num_stage_restarts,
+                "stage_recovery_s": list(self.recovery_s),
                 "driver_plan_s": self.plan_s, "driver_wait_s": self.wait_s,
                 "driver_audit_s": self.audit_s, "stage_digest_s": list(self.digest_s),
                 "stage_busy_s": list(t.busy_s),

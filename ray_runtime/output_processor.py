@@ -25,7 +25,12 @@ _CUMULATIVE, _DELTA, _FINAL_ONLY = (RequestOutputKind.CUMULATIVE, RequestOutputK
 
 
 class RequestFailed(RuntimeError):
-    """The engine failed this request (a stage error, a broken engine); the message says why."""
+    """The engine failed this request (a stage error, a broken engine); the message says why.
+    From LLM.generate, `finished` holds the call's requests that did finish."""
+
+    def __init__(self, message: str, finished: Optional[list] = None) -> None:
+        super().__init__(message)
+        self.finished: list = finished or []
 
 
 def child_ids(request_id: str, n: int) -> list[str]:

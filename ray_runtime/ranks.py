@@ -7,6 +7,8 @@ the real engine core without Ray.
 """
 from __future__ import annotations
 
+import select
+import time
 from collections import deque
 from typing import Optional, Protocol
 
@@ -21,9 +23,11 @@ class RankLink(Protocol):
 
     def send_plan(self, plan: bytes) -> None: ...
 
-    def read_replies(self) -> list[StageStepResult]: ...
+    def read_replies(self, step_id: int) -> list[StageStepResult]: ...
 
     def drain(self, num_inflight: int, broken: BaseException) -> None: ...
+
+    def abandon(self) -> None: ...  # drop the link without a word: its ranks are being replaced
 
     def close(self) -> None: ...
 
@@ -38,18 +42,29 @@ class ChannelRanks:
         for chan in self.channels:
             chan.send(PLAN, plan)
 
-    def read_replies(self) -> list[StageStepResult]:
-        """The oldest step's reply from every rank, in rank order."""
-        results, errors = [], []
-        for chan in self.channels:
-            kind, payload = chan.recv(timeout_s=self.step_timeout_s)
-            if kind == ERROR:
-                errors.append(payload.decode())
-            else:
-                results.append(decode_result(payload))
+    def read_replies(self, step_id: int) -> list[StageStepResult]:
+        """The oldest step's reply from every rank, in rank order. Replies are taken as they
+        come, so a rank whose channel closes (its process died) is seen at once, whichever
+        rank it is; past the step deadline, the first rank still silent is named (the ranks
+        after it wait on its activations)."""
+        pending = dict(enumerate(self.channels))
+        replies: list = [None] * len(self.channels)
+        deadline = time.monotonic() + self.step_timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            ready = select.select([c.sock for c in pending.values()], [], [], left)[0] \
+                if left > 0 else []
+            if not ready:
+                rank = min(pending)
+                raise TimeoutError(f"{pending[rank].peer}: no reply within "
+                                   f"{self.step_timeout_s:.1f}s to step {step_id} (step_timeout_s)")
+            for rank in sorted(pending):
+                if pending[rank].sock in ready:
+                    replies[rank] = pending.pop(rank).recv()
+        errors = [payload.decode() for kind, payload in replies if kind == ERROR]
         if errors:
             raise StageError("\n".join(errors))
-        return results
+        return [decode_result(payload) for _, payload in replies]
 
     def drain(self, num_inflight: int, broken: BaseException) -> None:
         """Read and drop the replies of the steps still in flight after a failure. A closed
@@ -65,41 +80,55 @@ class ChannelRanks:
                     self.broken = str(e)
                     return
 
+    def abandon(self) -> None:
+        self.broken = self.broken or "abandoned: the stages are being replaced"
+        for chan in self.channels:
+            chan.close()
+
     def close(self) -> None:
         for chan in self.channels:
             try:
                 chan.send(STOP)
-            except ChannelClosed:
+            except (ChannelClosed, OSError):
                 pass
             chan.close()
 
 
 class LocalRanks:
-    """One StageRunner (PP=1) in this process, with the stage loop's order: a plan is
-    launched as soon as it is sent, before the previous step is finished."""
+    """One StageRunner (PP=1) in this process. overlap=True is the stage loop's order: a plan
+    is launched as soon as it is sent, before the previous step is finished; overlap=False
+    finishes every step before the next is launched (the serial baseline)."""
 
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, overlap: bool = True) -> None:
         self.runner = runner
+        self.overlap = overlap
         self.broken: Optional[str] = None
-        self._launched: deque = deque()  # a LaunchedStep, or the exception its launch raised
+        self._launched: deque = deque()  # a LaunchedStep, a result, or a launch's exception
+        self.num_launched = 0
 
     def send_plan(self, plan: bytes) -> None:
+        if not self.overlap and self._launched and not isinstance(self._launched[-1], Exception):
+            self._launched[-1] = self.runner.finish(self._launched[-1])
+        self.num_launched += 1
         try:
             self._launched.append(self.runner.launch(decode_plan(plan)))
         except Exception as e:  # noqa: BLE001 - replied in order, as the stage loop does
             self._launched.append(e)
 
-    def read_replies(self) -> list[StageStepResult]:
+    def read_replies(self, step_id: int) -> list[StageStepResult]:
         step = self._launched.popleft()
         if isinstance(step, Exception):
             raise StageError(f"stage rank 0 failed: {step!r}") from step
-        return [self.runner.finish(step)]
+        return [step if isinstance(step, StageStepResult) else self.runner.finish(step)]
 
     def drain(self, num_inflight: int, broken: BaseException) -> None:
         for _ in range(num_inflight):
             step = self._launched.popleft()
-            if not isinstance(step, Exception):
+            if not isinstance(step, (Exception, StageStepResult)):
                 self.runner.finish(step)
+
+    def abandon(self) -> None:
+        self._launched.clear()
 
     def close(self) -> None:
         self._launched.clear()
