@@ -102,12 +102,32 @@ def check_outputs(model, outs, what: str) -> None:
     assert changed == sum(map(bool, PENALTIES)), f"penalties changed only {changed} outputs"
 
 
+LOGPROBS_OF = 1  # the workload's request that runs again with logprobs
+
+
 def generate(llm):
+    """The workload, plus request LOGPROBS_OF again with logprobs=2."""
     prompts, budgets = workload()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        [params_of(m, pen) for m, pen in zip(budgets, PENALTIES)])
+    i = LOGPROBS_OF
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts + [prompts[i]]],
+                        [params_of(m, pen) for m, pen in zip(budgets, PENALTIES)]
+                        + [SamplingParams(max_tokens=budgets[i], temperature=0.0,
+                                          ignore_eos=True, logprobs=2, **PENALTIES[i])])
     llm.check()
     return outs
+
+
+def check_raw_logprobs(model, outs) -> None:
+    """Logprobs are those of the raw logits, before penalties (vLLM's default), and the
+    tokens are the penalized ones: the same as the request without logprobs."""
+    prompts, _ = workload()
+    prompt, with_lp = prompts[LOGPROBS_OF], outs[-1].outputs[0]
+    assert with_lp.token_ids == outs[LOGPROBS_OF].outputs[0].token_ids
+    with torch.no_grad():
+        logits = _hf_model(model)(torch.tensor([prompt + with_lp.token_ids])).logits[0]
+    raw = torch.log_softmax(logits[len(prompt) - 1:-1].float(), dim=-1)
+    for j, (tok, entry) in enumerate(zip(with_lp.token_ids, with_lp.logprobs)):
+        assert abs(entry[tok].logprob - float(raw[j, tok])) < 1e-3, (j, entry, float(raw[j, tok]))
 
 
 @pytest.mark.parametrize("pp,async_scheduling", [(1, True), (1, False), (2, True), (2, False)])
@@ -118,6 +138,7 @@ def test_penalties_equal_references(ray_cluster, tiny_model, pp, async_schedulin
              debug_checks=True) as llm:
         outs = generate(llm)
     check_outputs(model, outs, f"PP={pp} async={async_scheduling}")
+    check_raw_logprobs(model, outs)
 
 
 def test_penalties_with_ngram_drafts(ray_cluster, tiny_model):
@@ -132,6 +153,7 @@ def test_penalties_with_ngram_drafts(ray_cluster, tiny_model):
         outs = generate(llm)
         stats = llm.stats()
     check_outputs(model, outs, "ngram drafts")
+    check_raw_logprobs(model, outs)
     assert stats["spec_num_draft_tokens"] > 0
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
 
