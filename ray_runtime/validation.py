@@ -84,6 +84,13 @@ def validate_request(index: int, token_ids: Sequence[int], sp: SamplingParams, *
         raise ValueError(f"{where}: prompt is empty (prompt_token_ids must hold at least 1 token)")
     as_int_list(sp.stop_token_ids, f"{where}: SamplingParams.stop_token_ids", 0, vocab_size - 1,
                 vocab)
+    # n > 1 and stop strings belong to the API layer (it expands n and matches stop strings on
+    # the text). Until it does, refuse them rather than ignore them; it drops this check.
+    if sp.n != 1:
+        raise ValueError(f"{where}: SamplingParams.n={sp.n}: n > 1 is not supported yet (n=1 only)")
+    if sp.stop:
+        raise ValueError(f"{where}: SamplingParams.stop={sp.stop!r}: stop strings are not "
+                         f"supported yet (use stop_token_ids)")
     if len(token_ids) >= max_model_len:
         raise ValueError(f"{where}: prompt has {len(token_ids)} tokens, which leaves no room to "
                          f"generate within max_model_len={max_model_len}")

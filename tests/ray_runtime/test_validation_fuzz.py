@@ -297,6 +297,17 @@ def test_bad_requests_are_named(req, data, kind):
     raises_naming(field, lambda: validate_request(3, ids, sp, **eng))
 
 
+@pytest.mark.parametrize("kwargs,field", [(dict(n=2), "SamplingParams.n"),
+                                          (dict(stop="###"), "SamplingParams.stop")])
+def test_not_yet_supported_fields_are_refused(kwargs, field):
+    """n > 1 and stop strings are valid fields that the API layer implements; until it
+    does, a request using them is refused with a clear error, never silently ignored."""
+    eng = dict(vocab_size=10, max_model_len=32, block_size=4, num_kv_blocks=8)
+    with pytest.raises(ValueError, match="not supported yet") as info:
+        validate_request(0, [1, 2], SamplingParams(**kwargs), **eng)
+    assert field in str(info.value)
+
+
 # ---- generate()'s arguments --------------------------------------------------------------
 
 GOOD_PROMPTS = st.one_of(
