@@ -130,14 +130,19 @@ def check_raw_logprobs(model, outs) -> None:
         assert abs(entry[tok].logprob - float(raw[j, tok])) < 1e-3, (j, entry, float(raw[j, tok]))
 
 
-@pytest.mark.parametrize("pp,async_scheduling", [(1, True), (1, False), (2, True), (2, False)])
-def test_penalties_equal_references(ray_cluster, tiny_model, pp, async_scheduling):
+# (PP, async, KV blocks of 16 tokens): at PP=2 async the cap forces preemption, so resumed
+# requests are penalized from the history they were re-admitted with.
+@pytest.mark.parametrize("pp,async_scheduling,kv_blocks", [(1, True, 64), (1, False, 64),
+                                                           (2, True, 12), (2, False, 64)])
+def test_penalties_equal_references(ray_cluster, tiny_model, pp, async_scheduling, kv_blocks):
     model = tiny_model(MODEL)
     with LLM(model, pipeline_parallel_size=pp, async_scheduling=async_scheduling,
-             max_num_seqs=8, max_num_batched_tokens=24, num_kv_blocks=64, max_model_len=128,
-             debug_checks=True) as llm:
+             max_num_seqs=8, max_num_batched_tokens=24, num_kv_blocks=kv_blocks,
+             max_model_len=128, block_size=16, debug_checks=True) as llm:
         outs = generate(llm)
+        preemptions = llm.stats()["num_preemptions"]
     check_outputs(model, outs, f"PP={pp} async={async_scheduling}")
+    assert (preemptions > 0) == (kv_blocks < 64), preemptions
     check_raw_logprobs(model, outs)
 
 
