@@ -93,6 +93,11 @@ class EngineClient:
                  ) -> tuple[Optional[str], list[int], SamplingParams]:
         """One request checked and converted in the caller: (text, token ids, params)."""
         text, token_ids = parse_prompt(index, prompt)
+        if sp.stop and (self.tokenizer is None or not sp.detokenize):
+            raise ValueError(f"prompts[{index}]: SamplingParams.stop matches text, which needs "
+                             f"a tokenizer and detokenize=True; {self.config.model!r} has "
+                             f"{'none' if self.tokenizer is None else 'detokenize=False'}: "
+                             "use stop_token_ids")
         if token_ids is None:
             token_ids = self._tokenize(index, text)
         token_ids = validate_request(index, token_ids, sp, vocab_size=self.info["vocab_size"],
