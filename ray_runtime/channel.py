@@ -48,6 +48,16 @@ class Channel:
         """Whether a frame (or the peer's close) is waiting, within timeout_s."""
         return bool(select.select([self.sock], [], [], timeout_s)[0])
 
+    def peer_closed(self) -> bool:
+        """Whether the peer has closed its end (nothing left to read but the end), without
+        consuming anything."""
+        if not self.readable(0.0):
+            return False
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
     def recv(self, timeout_s: Optional[float] = None) -> tuple[int, bytes]:
         """The next frame. timeout_s: raise TimeoutError if none starts within it."""
         if timeout_s is not None and not self.readable(timeout_s):

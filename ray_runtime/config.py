@@ -110,6 +110,27 @@ class EngineConfig:
     # vLLM's name: no engine metrics (ray.util.metrics, docs/operations.md) are recorded
     disable_log_stats: bool = False
 
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
+        """The config from LLM / AsyncLLM keywords (the defaults are this class's, nowhere
+        else): a trace_file is made absolute, a "3,2,2" partition parsed, and an unknown
+        keyword is a ValueError naming it and its nearest known names."""
+        import difflib
+        import dataclasses
+
+        known = {f.name for f in dataclasses.fields(cls)} - {"model"}
+        for key in kwargs:
+            if key not in known:
+                near = difflib.get_close_matches(key, sorted(known), n=3)
+                raise ValueError(f"unknown engine option {key!r}"
+                                 + (f"; did you mean {', '.join(near)}?" if near else
+                                    f"; known: {', '.join(sorted(known))}"))
+        if kwargs.get("trace_file") is not None:
+            kwargs["trace_file"] = os.path.abspath(kwargs["trace_file"])
+        if "pp_layer_partition" in kwargs:
+            kwargs["pp_layer_partition"] = parse_partition(kwargs["pp_layer_partition"])
+        return cls(model=model, **kwargs)
+
     @property
     def inflight_steps(self) -> int:
         """Steps the driver keeps in flight (max_inflight_steps, or its default; 1 in sync)."""

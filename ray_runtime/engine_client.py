@@ -6,12 +6,12 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Union  # noqa: F401
 
 import ray
 
 from ray_runtime.cluster import connect_ray, driver_actor_name
-from ray_runtime.config import EngineConfig, parse_partition, stage_layer_ranges
+from ray_runtime.config import EngineConfig, stage_layer_ranges
 from ray_runtime.driver import DRIVER_MAX_CONCURRENCY, Driver, resolve_max_model_len
 from ray_runtime.messages import RequestSpec
 from ray_runtime.output_processor import OutputProcessor, child_ids, child_params
@@ -35,25 +35,14 @@ class EngineClient:
     """What LLM and AsyncLLM share: the engine's configuration, its driver actor, the
     tokenizer, request checks in the caller, and the engine's stats and shutdown."""
 
-    def __init__(self, model: str, pipeline_parallel_size: int = 1, device: str = "cpu",
-                 dtype: str = "float32", max_num_seqs: int = 64, max_num_batched_tokens: int = 256,
-                 block_size: int = 16, num_kv_blocks: Optional[int] = None,
-                 pp_layer_partition: Union[str, Sequence[int], None] = None,
-                 async_scheduling: bool = True, max_model_len: Optional[int] = None,
-                 tokenizer: Optional[str] = None, trace_file: Optional[str] = None,
-                 on_mismatch: str = "repair", **engine_kwargs) -> None:
-        if trace_file is not None:
-            trace_file = os.path.abspath(trace_file)
-        self.config = EngineConfig(
-            model=model, pipeline_parallel_size=pipeline_parallel_size, device=device,
-            dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size, num_kv_blocks=num_kv_blocks,
-            pp_layer_partition=parse_partition(pp_layer_partition),
-            async_scheduling=async_scheduling, max_model_len=max_model_len,
-            trace_file=trace_file, on_mismatch=on_mismatch, **engine_kwargs)
+    def __init__(self, model: str, tokenizer: Optional[str] = None, **engine_args) -> None:
+        """engine_args: any EngineConfig field (ray_runtime/config.py holds every option and
+        its default; the CLI's flags are made from the same fields)."""
+        self.config = EngineConfig.from_kwargs(model, **engine_args)
         # Every check that can fail on the config fails here, before any actor starts.
         spec = ModelSpec.from_dir(model)
-        stage_layer_ranges(spec.num_layers, pipeline_parallel_size, self.config.pp_layer_partition)
+        stage_layer_ranges(spec.num_layers, self.config.pipeline_parallel_size,
+                           self.config.pp_layer_partition)
         resolve_max_model_len(self.config, spec)
         sc = self.config.speculative_config
         if sc is not None and sc.method == "draft_model":

@@ -16,6 +16,9 @@ from ray_runtime.channel import ERROR, PLAN, STOP, ChannelClosed, StageError
 from ray_runtime.messages import StageStepResult, decode_plan, decode_result
 
 DRAIN_TIMEOUT_S = 30.0  # after a failed step: how long the other ranks get to answer
+# After a rank reports an error: how long a neighbour's death may take to show as a closed
+# channel (the error may be its transfer failing because that neighbour died).
+LOSS_GRACE_S = 1.0
 
 
 class RankLink(Protocol):
@@ -63,8 +66,24 @@ class ChannelRanks:
                     replies[rank] = pending.pop(rank).recv()
         errors = [payload.decode() for kind, payload in replies if kind == ERROR]
         if errors:
+            # A rank whose process died makes its neighbours' transfers fail: that is a loss
+            # of the dead rank, not an error of theirs.
+            lost = self._lost_rank()
+            if lost is not None:
+                raise lost
             raise StageError("\n".join(errors))
         return [decode_result(payload) for _, payload in replies]
+
+    def _lost_rank(self, grace_s: float = LOSS_GRACE_S) -> Optional[ChannelClosed]:
+        deadline = time.monotonic() + grace_s
+        while True:
+            for chan in self.channels:
+                if chan.peer_closed():
+                    return ChannelClosed(f"{chan.peer}: the peer closed the channel (its "
+                                         "process died or its step loop stopped)")
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def drain(self, num_inflight: int, broken: BaseException) -> None:
         """Read and drop the replies of the steps still in flight after a failure. A closed
