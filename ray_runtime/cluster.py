@@ -210,7 +210,18 @@ def start_stages(config: EngineConfig, pg, layer_ranges: list[tuple[int, int]],
             opts["name"] = stage_actor_name(engine_id, rank, len(layer_ranges), layer_range)
         stages.append(remote_cls.options(**opts).remote(config, rank, layer_range, max_model_len,
                                                         engine_id=engine_id))
-    infos = ray.get([s.node_info.remote() for s in stages])
+    infos = []
+    for rank, stage in enumerate(stages):
+        try:
+            infos.append(ray.get(stage.node_info.remote()))
+        except ray.exceptions.RayActorError as e:
+            # The stage's own error (a node without the model folder, out of memory) is
+            # what to show: the last line of the actor-died text around its traceback.
+            text = getattr(e, "error_msg", None) or str(e)
+            cause = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), text)
+            for s in stages:
+                ray.kill(s)
+            raise RuntimeError(f"stage rank {rank} did not start: {cause}") from None
     for info in infos:
         logger.info("stage %d: layers %s on node %s (%s, pid %d, GPUs %s)", info["rank"],
                     info["layers"], info["node_id"][:8], info["node_ip"], info["pid"],
