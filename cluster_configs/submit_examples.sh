@@ -28,8 +28,15 @@
 # absolute path: a relative one lands in the uploaded copy, which Ray deletes later. The
 # entrypoint runs on the head node, so that is where the output file appears. --model must
 # exist at the same path on every node that hosts a stage.
+#
+# Auth: the clusters of cluster_configs/ run with Ray's token auth (RAY_AUTH_MODE=token), and
+# so does a local `ray start` once ~/.ray/auth_token exists. The client needs the same mode
+# and the cluster's token: in ~/.ray/auth_token, or RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH
+# (KubeRay: read it from the cluster's Secret, see kuberay-raycluster.yaml). Set
+# RAY_AUTH_MODE=disabled to talk to a cluster started without auth.
 set -euo pipefail
 
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 RAY_ADDRESS="${RAY_ADDRESS:-http://127.0.0.1:8265}"
 MODEL="${MODEL:-/models/my-model}"
 PP="${PP:-2}"
@@ -102,7 +109,7 @@ usage() {
   cat <<EOF
 usage: bash cluster_configs/submit_examples.sh EXAMPLE [ARGS]
 examples: local_gpu | local_cpu | remote | remote_spread | follow SUBMISSION_ID
-defaults: RAY_ADDRESS=$RAY_ADDRESS MODEL=$MODEL PP=$PP INPUT=$INPUT OUTPUT=$OUTPUT
+defaults: RAY_ADDRESS=$RAY_ADDRESS MODEL=$MODEL PP=$PP INPUT=$INPUT OUTPUT=$OUTPUT RAY_AUTH_MODE=$RAY_AUTH_MODE
 EOF
 }
 

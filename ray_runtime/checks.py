@@ -85,3 +85,25 @@ def as_int_list(value, name: str, lo: int, hi: int, limits: str) -> list[int]:
         shown = ", ".join(_repr.repr(t) for t in bad[:5])
         raise ValueError(f"{name} [{shown}{', ...' if len(bad) > 5 else ''}] outside {limits}")
     return ints
+
+
+def as_str_list(value, name: str, max_count: int, max_chars: int) -> list[str]:
+    """None (no strings), one str, or a list / tuple of strs, as a list of plain strs: each
+    non-empty and at most max_chars long, at most max_count of them."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    elif not isinstance(value, (list, tuple)):
+        raise InputTypeError(f"{name} must be a str, a list of strs or None, got {show(value)}")
+    if len(value) > max_count:
+        raise ValueError(f"{name} holds {len(value)} strings, more than the limit of {max_count}")
+    strs = []
+    for s in value:
+        if not isinstance(s, str):
+            raise InputTypeError(f"{name} must hold strs only, got {show(s)}")
+        if not 1 <= len(s) <= max_chars:
+            raise ValueError(f"{name} strings must be non-empty and at most {max_chars} "
+                             f"characters, got one of {len(s)}: {_repr.repr(s)}")
+        strs.append(str(s))  # a str subclass (numpy's str_) becomes a plain str
+    return strs

@@ -102,6 +102,10 @@ class EngineConfig:
     # A stage that does not answer a step within this long is an error naming its rank
     # (the first steps on a GPU include kernel compilation: keep it generous).
     step_timeout_s: float = 300.0
+    # A lost stage (its process or node died, or it stalled past step_timeout_s) is replaced
+    # and every unfinished request recomputed from its tokens, at most this many times per
+    # engine; past that, unfinished requests fail with the error.
+    max_stage_restarts: int = 3
     speculative_config: Optional[SpeculativeConfig] = None
     # vLLM's name: no engine metrics (ray.util.metrics, docs/operations.md) are recorded
     disable_log_stats: bool = False
@@ -146,6 +150,8 @@ class EngineConfig:
             raise bad("max_inflight_steps", f"must be >= 1, got {self.max_inflight_steps}")
         if not isinstance(self.digest_full_every, int) or self.digest_full_every < 1:
             raise bad("digest_full_every", f"must be an integer >= 1, got {self.digest_full_every!r}")
+        if not isinstance(self.max_stage_restarts, int) or self.max_stage_restarts < 0:
+            raise bad("max_stage_restarts", f"must be an integer >= 0, got {self.max_stage_restarts!r}")
         if not self.step_timeout_s > 0:
             raise bad("step_timeout_s", f"must be > 0, got {self.step_timeout_s}")
         if not isinstance(self.disable_log_stats, bool):

@@ -138,15 +138,19 @@ class RequestSpec(msgspec.Struct, array_like=True):
     sampling: SamplingParams
 
 
-class FinishedRequest(msgspec.Struct, array_like=True):
-    """A request's final state, from the driver to the API."""
+class RequestDelta(msgspec.Struct, array_like=True, gc=False):
+    """What the engine reports of one request since its previous delta: the output tokens
+    committed since then (all of them, for a request that asked only for its final output),
+    and on finishing, why. `error` is set when the request failed with the engine (a stage
+    error, a bookkeeping mismatch under on_mismatch="raise"): its consumer raises it."""
 
     req_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    finish_reason: str
-    stop_reason: Optional[int]
-    num_preemptions: int
-    # Per output token when logprobs were asked: {token_id: logprob} and the chosen one's rank.
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int] = None
+    num_preemptions: int = 0
+    # Per new token when logprobs were asked: {token_id: logprob} and the chosen one's rank.
     logprobs: Optional[list[dict[int, float]]] = None
     logprob_ranks: Optional[list[int]] = None
+    error: Optional[str] = None

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 
 @dataclass
@@ -20,7 +20,7 @@ class CompletionOutput:
     cumulative_logprob: Optional[float]
     logprobs: Optional[list[dict[int, Logprob]]]
     finish_reason: Optional[str]
-    stop_reason: Optional[int] = None
+    stop_reason: Union[int, str, None] = None  # the stop token id or stop string
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -35,3 +35,4 @@ class RequestOutput:
     finished: bool = True
     num_preemptions: int = 0
     metrics: dict = field(default_factory=dict)
+    error: Optional[str] = None  # why the engine failed this request, if it did

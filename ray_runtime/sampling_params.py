@@ -8,22 +8,44 @@ ints, finite floats).
 """
 from __future__ import annotations
 
-from typing import Optional
+import enum
+from typing import Optional, Union
 
 import msgspec
 
-from ray_runtime.checks import INT64_MAX, as_bool, as_float, as_int, as_int_list
+from ray_runtime.checks import INT64_MAX, as_bool, as_float, as_int, as_int_list, as_str_list
 
 # vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling. Dividing logits by a smaller
 # one overflows float32 to inf, and softmax of inf - inf is NaN.
 SAMPLING_EPS = 1e-5
+MAX_N = 128  # parallel samples of one prompt
+# Stop strings are matched against the detokenized text after every token: bound the work.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+
+
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's names: what each RequestOutput of a streamed request carries."""
+
+    CUMULATIVE = 0  # everything so far
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # nothing until the request finishes (LLM.generate)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
     """Same meaning as vLLM's SamplingParams for the fields it shares with it.
 
     temperature < SAMPLING_EPS (1e-5), 0 included, is greedy (argmax; top_p, top_k, min_p and
-    seed are then ignored), as in vLLM."""
+    seed are then ignored), as in vLLM.
+
+    Penalties (vLLM's): repetition_penalty divides the positive logits and multiplies the
+    negative ones of every token in the prompt or the output so far (1 = off);
+    frequency_penalty subtracts itself times each token's count in the output so far, and
+    presence_penalty itself once from each token the output holds (0 = off). They apply to the
+    logits before temperature, top-k, top-p, min-p and the greedy argmax; logprobs stay those
+    of the raw logits. `n`, `stop` and `include_stop_str_in_output` are carried for the API
+    layer, which expands n and matches stop strings on the text (not in the output unless
+    include_stop_str_in_output). `stop` is normalized to a list of strs ([] for None)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -35,6 +57,13 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     logprobs: Optional[int] = None  # None: none; n >= 0: the chosen token plus the top n
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    n: int = 1
+    stop: Optional[Union[str, list[str]]] = None  # a list after validate()
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -60,11 +89,29 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         if self.logprobs is not None:
             self.logprobs = as_int(self.logprobs, f + "logprobs", 0, 20, "in [0, 20] or None")
         self.detokenize = as_bool(self.detokenize, f + "detokenize")
+        self.n = as_int(self.n, f + "n", 1, MAX_N, f"in [1, {MAX_N}]")
+        self.stop = as_str_list(self.stop, f + "stop", MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS)
+        self.include_stop_str_in_output = as_bool(self.include_stop_str_in_output,
+                                                  f + "include_stop_str_in_output")
+        self.presence_penalty = as_float(self.presence_penalty, f + "presence_penalty",
+                                         lambda p: -2.0 <= p <= 2.0, "in [-2, 2]")
+        self.frequency_penalty = as_float(self.frequency_penalty, f + "frequency_penalty",
+                                          lambda p: -2.0 <= p <= 2.0, "in [-2, 2]")
+        self.repetition_penalty = as_float(self.repetition_penalty, f + "repetition_penalty",
+                                           lambda p: 0.0 < p <= 2.0, "in (0, 2]")
+        self.output_kind = RequestOutputKind(as_int(
+            self.output_kind, f + "output_kind", 0, 2, "a RequestOutputKind (0, 1 or 2)"))
 
     @property
     def is_greedy(self) -> bool:
         """Argmax sampling: temperature below SAMPLING_EPS (vLLM's convention), 0 included."""
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether any penalty changes the logits (the sampler then needs the token history)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or \
+            self.repetition_penalty != 1.0
 
     @property
     def effective_top_k(self) -> int:

@@ -165,6 +165,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def pending_removals(self) -> list[str]:
+        """Requests that left the ranks' view since the last plan (the next plan removes them)."""
+        return self._removed_since_last_plan
+
+    def has_finished(self) -> bool:
+        """Finished requests that pop_finished has not returned yet."""
+        return bool(self._finished)
+
     def pop_finished(self) -> list[Request]:
         """The requests finished since the last call, in the order they were added; they
         leave `requests`. O(finished): no scan of the queue."""
@@ -362,6 +371,16 @@ class Scheduler:
             if req.num_inflight_steps == 0 and req.req_id not in chosen:
                 return req
         return None
+
+    def requeue_all(self) -> int:
+        """The ranks were replaced (empty): every running request goes back to the queue, in
+        admission order, to be recomputed from its tokens; nothing is left to remove from
+        the new ranks. Returns how many were requeued."""
+        running = list(self.running)
+        for req in reversed(running):  # appendleft: the oldest ends up first
+            self._preempt(req)
+        self._removed_since_last_plan = []
+        return len(running)
 
     def preempt(self, req_id: str) -> None:
         """Drop a request's KV and rank rows; it is recomputed from the driver's tokens.

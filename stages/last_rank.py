@@ -3,6 +3,7 @@ verification and proposal. The device buffer of each slot's latest sample lives 
 the pinned host buffers its values reach the host through."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ray_runtime.config import EngineConfig
@@ -12,6 +13,7 @@ from stages.draft_model import DraftModelProposer
 from stages.input_batch import InputBatch
 from stages.model_spec import ModelSpec
 from stages.ngram_proposer import ngram_propose
+from stages.penalties import apply_penalties
 from stages.sampler import Sampler, token_logprobs
 from stages.spec_sampler import SpecVerifier
 from stages.step_types import DeferredSamples, LaunchedStep, StepInputs
@@ -54,10 +56,11 @@ class LastRank:
     def _can_defer(self, params: list[SamplingParams]) -> bool:
         """Whether the step's samples (params: each sampled request's) may stay on the device
         until finish: not when drafts are verified or proposed (host logic on the tokens),
-        nor for logprobs."""
+        nor for logprobs, nor for penalties (they read the token history, which a deferred
+        sample would leave one token short on the host)."""
         if self.spec_config is not None or not params:
             return False
-        return not any(sp.logprobs is not None for sp in params)
+        return not any(sp.logprobs is not None or sp.uses_penalties for sp in params)
 
     def _sample_deferred(self, hidden: torch.Tensor, inputs: StepInputs,
                          params: list[SamplingParams], step: LaunchedStep) -> None:
@@ -92,11 +95,16 @@ class LastRank:
         plain = [i for i, m in enumerate(inputs.sample_num_drafts) if m == 0]
         spec = [i for i, m in enumerate(inputs.sample_num_drafts) if m > 0]
         wants_logprobs = any(sp.logprobs is not None for sp in params)
+        penalized = [i for i, sp in enumerate(params) if sp.uses_penalties]
+        # Sampling and verification read the penalized logits; logprobs the raw ones.
+        sample_logits = all_logits if not penalized else \
+            self._penalize(all_logits, inputs, rows, counts, params, penalized)
         # Per-request views only where something reads them per request.
-        logits = all_logits.split(counts) if spec or wants_logprobs else None
+        logits = all_logits.split(counts) if wants_logprobs else None
+        split = sample_logits.split(counts) if spec else None
         tokens: list[list[int]] = [[] for _ in rows]
         if plain:  # logprobs: below, for every emitted token at once
-            plain_logits = all_logits if not spec else torch.cat([logits[i] for i in plain])
+            plain_logits = sample_logits if not spec else torch.cat([split[i] for i in plain])
             res = self.sampler(plain_logits, [params[i] for i in plain],
                                [inputs.sample_output_index[i] for i in plain], with_logprobs=False)
             for i, t in zip(plain, res.token_ids):
@@ -106,7 +114,7 @@ class LastRank:
             q = None if self.drafter is None else [
                 self.drafter.draft_probs(inputs.sample_req_ids[i], int(b.incarnation[rows[i]]), d)
                 for i, d in zip(spec, drafts)]
-            emitted = self.verifier([logits[i] for i in spec], drafts, [params[i] for i in spec],
+            emitted = self.verifier([split[i] for i in spec], drafts, [params[i] for i in spec],
                                     [inputs.sample_output_index[i] for i in spec], q)
             for i, t in zip(spec, emitted):
                 tokens[i] = t
@@ -117,6 +125,44 @@ class LastRank:
         if wants_logprobs:
             self._attach_logprobs(out, logits, params)
         return out
+
+    def _penalize(self, all_logits: torch.Tensor, inputs: StepInputs, rows: list[int],
+                  counts: list[int], params: list[SamplingParams],
+                  penalized: list[int]) -> torch.Tensor:
+        """all_logits with the penalties applied to the rows of the requests in `penalized`.
+        Each logits row is predicted after the request's known prefix plus the drafts before
+        it: row j of a request that verifies m drafts counts drafts[:j] as output (a verified
+        position is used only if those drafts were accepted)."""
+        b = self.batch
+        offsets = [0]
+        for n in counts:
+            offsets.append(offsets[-1] + n)
+        index, prompts, outputs, row_params = [], [], [], []
+        for i in penalized:
+            slot = rows[i]
+            num_prompt = int(b.num_prompt_tokens[slot])
+            known = num_prompt + inputs.sample_output_index[i]
+            # A penalized request never defers its samples (_can_defer), so its row holds its
+            # whole history on the host (invariant 1); anything else is a bookkeeping bug.
+            if b.num_pending_samples[slot] or int(b.num_tokens_known[slot]) != known:
+                raise AssertionError(
+                    f"penalties for {inputs.sample_req_ids[i]!r}: the row knows "
+                    f"{int(b.num_tokens_known[slot])} tokens (+{int(b.num_pending_samples[slot])} "
+                    f"pending), the sample follows {known}")
+            prompt = b.token_ids[slot, :num_prompt]
+            output = b.token_ids[slot, num_prompt:known]
+            drafts = np.asarray(b.drafts(inputs.sample_req_ids[i]) if counts[i] > 1 else [],
+                                np.int64)
+            assert len(drafts) == counts[i] - 1, "penalties: drafts and verified rows disagree"
+            for j in range(counts[i]):
+                index.append(offsets[i] + j)
+                prompts.append(prompt)
+                outputs.append(np.concatenate([output, drafts[:j]]) if j else output)
+                row_params.append(params[i])
+        index_t = torch.tensor(index, device=all_logits.device)
+        penalized_rows = apply_penalties(all_logits.index_select(0, index_t), prompts, outputs,
+                                         row_params)
+        return all_logits.index_copy(0, index_t, penalized_rows)
 
     @staticmethod
     def _attach_logprobs(out: SamplerOutput, logits: list[torch.Tensor],

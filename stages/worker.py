@@ -101,6 +101,10 @@ class StageWorker:
     def check(self) -> None:
         self.runner.check()
 
+    def live_req_ids(self) -> list[str]:
+        """The requests this rank holds a slot for (the driver's check compares them)."""
+        return list(self.runner.batch.req_id_to_slot)
+
     def set_fault_hook(self, hook: Optional[Callable]) -> None:
         """Tests only: corrupt this rank's batch after a plan is applied."""
         self.runner.fault_hook = hook

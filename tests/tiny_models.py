@@ -70,3 +70,45 @@ def make_draft_model(arch: str, root: str, noise: float = 0.01, seed: int = 1) -
             p.add_(torch.randn(p.shape, generator=gen) * noise * p.abs().mean())
     model.save_pretrained(path)
     return path
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def make_tiny_tokenizer(path: str) -> None:
+    """A byte-level BPE tokenizer of VOCAB ids (specials <pad>=0, <s>=1, </s>=2, as the tiny
+    configs' bos/eos), trained on a few sentences: multi-byte characters span several tokens,
+    which is what incremental detokenization must get right."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    corpus = ["the quick brown fox jumps over the lazy dog", "hello world, hello ray",
+              "pipeline parallel inference on a cluster", "héllo wörld ünïcode façade",
+              "日本語のテキスト", "emoji 🙂 🚀 stream"] * 4
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    assert len(fast) <= VOCAB, len(fast)
+
+
+def make_tiny_model_with_tokenizer(arch: str, root: str) -> str:
+    """make_tiny_model's checkpoint (linked, not copied) plus make_tiny_tokenizer's files."""
+    src = make_tiny_model(arch, root)
+    path = os.path.join(root, f"{arch}-tok")
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return path
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(src):
+        if not os.path.exists(os.path.join(path, name)):
+            os.symlink(os.path.join(src, name), os.path.join(path, name))
+    make_tiny_tokenizer(path)
+    return path

@@ -54,3 +54,44 @@ class PlantSeed1Bug:
         for d in plan.cached_reqs:
             row = batch.req_id_to_slot[d.req_id]
             batch.num_tokens_known[row] = d.num_computed_tokens + len(d.new_token_ids)
+
+
+class RaiseAtStep:
+    """Raise inside the stage at the first plan with step_id >= `step` (once)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.fired = False
+
+    def __call__(self, batch: InputBatch, plan) -> None:
+        if not self.fired and plan.step_id >= self.step:
+            self.fired = True
+            raise RuntimeError(f"injected fault at step {plan.step_id}")
+
+
+class ExitAtStep:
+    """The stage's process dies (os._exit) at the first plan with step_id >= `step`: as a
+    crash or a lost node looks to the driver."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def __call__(self, batch: InputBatch, plan) -> None:
+        if plan.step_id >= self.step:
+            import os
+
+            os._exit(1)
+
+
+class StallAtStep:
+    """The stage sleeps `seconds` at the first plan with step_id >= `step` (once)."""
+
+    def __init__(self, step: int, seconds: float) -> None:
+        self.step, self.seconds, self.fired = step, seconds, False
+
+    def __call__(self, batch: InputBatch, plan) -> None:
+        if not self.fired and plan.step_id >= self.step:
+            self.fired = True
+            import time
+
+            time.sleep(self.seconds)

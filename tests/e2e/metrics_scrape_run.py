@@ -3,7 +3,13 @@ dashboard extras, which serve the export port): start a private Ray instance wit
 export port, run a PP=2 engine, scrape `http://127.0.0.1:<port>/metrics` during and after the
 run, print one JSON line with what was scraped and the engine's stats(), shut Ray down.
 
-    python tests/e2e/metrics_scrape_run.py MODEL_ROOT
+    python tests/e2e/metrics_scrape_run.py MODEL_ROOT [DUMP_FILE]
+
+With DUMP_FILE, each call has 48 requests, and the calls go on until a scrape shows output
+tokens and requests running; that scrape is also written there as Prometheus text, our
+`ray_ray_pp_*` lines only, Ray's own labels left out (docs/operations.md quotes one).
+The KV pool is small on purpose, so that requests are preempted and the preemption counter
+has something to agree on.
 """
 from __future__ import annotations
 
@@ -34,8 +40,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def scrape(port: int, engine: str) -> list:
-    """[name, {labels without Ray's own}, value] of our engine's samples."""
+def scrape(port: int, engine: str, raw: list | None = None) -> list:
+    """[name, {labels without Ray's own}, value] of our engine's samples; with raw, our
+    lines are also appended there as text, Ray's own labels left out."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     out = []
     for line in text.splitlines():
@@ -50,6 +57,9 @@ def scrape(port: int, engine: str) -> list:
         keep = {k: v for k, v in labels.items()
                 if k in ("model_name", "engine", "finished_reason", "pp_rank", "le")}
         out.append([m.group(1), keep, float(m.group(3))])
+        if raw is not None:
+            body = ",".join(f'{k}="{v}"' for k, v in sorted(keep.items()))
+            raw.append(f"{m.group(1)}{{{body}}} {m.group(3)}")
     return out
 
 
@@ -73,8 +83,13 @@ def main() -> None:
     result = {"port": port}
     try:
         prompts = [[3 + (i * 7 + j) % 300 for j in range(10 + 3 * i)] for i in range(12)]
-        budgets = [4 + i % 5 for i in range(12)]
-        with LLM(model, pipeline_parallel_size=2, max_num_batched_tokens=32, num_kv_blocks=64,
+        budgets = [6 + 2 * (i % 5) for i in range(12)]
+        dump = sys.argv[2] if len(sys.argv) > 2 else None
+        if dump:  # calls long enough to span several flushes (0.5 s apart)
+            prompts, budgets = prompts * 4, budgets * 4
+        # 16 blocks of 16 tokens hold about 5 of these requests: the rest wait, and growing
+        # decodes preempt.
+        with LLM(model, pipeline_parallel_size=2, max_num_batched_tokens=32, num_kv_blocks=16,
                  max_model_len=256) as llm:
             engine = llm.info["engine_id"]
             during = []  # generation_tokens_total scraped while calls were running
@@ -92,11 +107,17 @@ def main() -> None:
             th.start()
             while th.is_alive():
                 time.sleep(0.5)
+                raw = []
                 try:
-                    during.append(total(scrape(port, engine), OURS + "generation_tokens_total"))
+                    now = scrape(port, engine, raw)
                 except OSError:
                     continue
-                if during[-1] > 0:
+                during.append(total(now, OURS + "generation_tokens_total"))
+                if dump and during[-1] > 0 and total(now, OURS + "num_requests_running") > 0:
+                    with open(dump, "w") as f:
+                        f.write("\n".join(raw) + "\n")
+                    dump = None
+                if during[-1] > 0 and not dump:  # with a dump: until one mid-call scrape
                     seen.set()
             th.join()
             stats = llm.stats()

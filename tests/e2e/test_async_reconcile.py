@@ -33,11 +33,11 @@ def test_corruption_is_detected_within_one_step(ray_cluster, tiny_model, tmp_pat
     log = tmp_path / "fault.json"
     with LLM(model, pipeline_parallel_size=pp, max_num_batched_tokens=32,
              on_mismatch="raise", digest_full_every=full_every) as llm:
-        llm.set_fault_hook(rank, hook_cls(str(log)))
+        llm._set_fault_hook(rank, hook_cls(str(log)))
         with pytest.raises(Exception) as err:
             _generate(llm, prompts, budgets)
         # The failed call leaves the engine serving: without the fault, exact outputs.
-        llm.set_fault_hook(rank, None)
+        llm._set_fault_hook(rank, None)
         again = _generate(llm, prompts[:4], budgets[:4])
         _compare(model, again, prompts[:4], budgets[:4])
     fired = json.loads(log.read_text())
@@ -60,7 +60,7 @@ def test_repair_keeps_outputs_exact(ray_cluster, tiny_model, tmp_path, hook_cls,
     prompts, budgets = stress_workload(seed=32, num_requests=16, max_len=150)
     with LLM(model, pipeline_parallel_size=3, max_num_batched_tokens=32,
              async_scheduling=async_scheduling, debug_checks=True) as llm:
-        llm.set_fault_hook(1, hook_cls(str(tmp_path / "fault.json")))
+        llm._set_fault_hook(1, hook_cls(str(tmp_path / "fault.json")))
         outs = _generate(llm, prompts, budgets)
         stats = llm.stats()
     assert (tmp_path / "fault.json").exists(), "the fault never fired"
@@ -79,7 +79,7 @@ def test_seed1_bug_planted_on_a_non_last_rank_is_caught(ray_cluster, tiny_model)
     budgets += [1, 2, 3, 1, 2, 3, 1, 2]
     with LLM(model, pipeline_parallel_size=3, max_num_batched_tokens=32,
              on_mismatch="raise") as llm:
-        llm.set_fault_hook(1, faults.PlantSeed1Bug())
+        llm._set_fault_hook(1, faults.PlantSeed1Bug())
         with pytest.raises(Exception, match=r"bookkeeping mismatch: request .* on rank 1: num_tokens_known"):
             _generate(llm, prompts, budgets)
 

@@ -95,7 +95,7 @@ def test_bookkeeping_mismatches_by_rank_and_abort(ray_cluster, tiny_model, tmp_p
     params = [SamplingParams(max_tokens=b, temperature=0, ignore_eos=True) for b in budgets]
     model = tiny_model("llama")
     with LLM(model, pipeline_parallel_size=2, max_num_batched_tokens=32, digest_full_every=1) as llm:
-        llm.set_fault_hook(1, faults.CorruptComputedCounter(str(tmp_path / "a.json")))
+        llm._set_fault_hook(1, faults.CorruptComputedCounter(str(tmp_path / "a.json")))
         llm.generate(reqs, params)  # repaired
         stats = llm.stats()
         m = llm.metrics_snapshot()["metrics"]
@@ -103,7 +103,7 @@ def test_bookkeeping_mismatches_by_rank_and_abort(ray_cluster, tiny_model, tmp_p
     assert m["ray_pp:bookkeeping_mismatches"] == {"pp_rank=1": stats["bookkeeping_mismatches"]}
     with LLM(model, pipeline_parallel_size=2, max_num_batched_tokens=32, on_mismatch="raise",
              digest_full_every=1) as llm:
-        llm.set_fault_hook(1, faults.CorruptComputedCounter(str(tmp_path / "b.json")))
+        llm._set_fault_hook(1, faults.CorruptComputedCounter(str(tmp_path / "b.json")))
         with pytest.raises(Exception, match="bookkeeping mismatch"):
             llm.generate(reqs, params)
         m = llm.metrics_snapshot()["metrics"]

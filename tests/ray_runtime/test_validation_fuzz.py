@@ -54,6 +54,11 @@ int_list_junk = st.one_of(
     st.lists(st.integers(0, 100), max_size=3).map(lambda xs: [*xs, "7"]),
     st.just(np.array([1.0, 2.0])), st.just(np.array([True])), st.just(np.zeros((2, 2), np.int64)))
 
+STOP_STR = st.text(min_size=1, max_size=6)
+PENALTY_JUNK = st.one_of(float_junk, st.floats(max_value=-2.0, exclude_max=True),
+                         st.floats(min_value=2.0, exclude_min=True),
+                         st.integers(max_value=-3), st.integers(min_value=3))
+
 # field: (good values, bad values)
 FIELDS = {
     "max_tokens": (ints(1, I64_MAX), st.one_of(int_junk, st.integers(max_value=0))),
@@ -79,9 +84,30 @@ FIELDS = {
                  st.one_of(int_junk.filter(lambda v: v is not None), st.integers(max_value=-1),
                            st.integers(min_value=21))),
     "detokenize": (bools, bool_junk),
+    "n": (ints(1, 128), st.one_of(int_junk, st.integers(max_value=0), st.integers(min_value=129))),
+    "stop": (st.one_of(st.none(), STOP_STR, st.lists(STOP_STR, max_size=4),
+                       st.lists(STOP_STR, min_size=1, max_size=3).map(tuple),
+                       st.just(["s"] * 64), st.just(["s" * 1024])),
+             st.one_of(junk.filter(lambda v: v is not None and not isinstance(v, (str, list))),
+                       st.just(""), st.integers(), bools, st.floats(), st.just({"a"}),
+                       st.lists(STOP_STR, max_size=3).map(lambda xs: [*xs, ""]),
+                       st.lists(STOP_STR, max_size=3).map(lambda xs: [*xs, 7]),
+                       st.lists(STOP_STR, max_size=3).map(lambda xs: [*xs, None]),
+                       st.lists(STOP_STR, max_size=3).map(lambda xs: [*xs, b"x"]),
+                       st.lists(STOP_STR, max_size=3).map(lambda xs: [*xs, ["x"]]),
+                       st.just(["s"] * 65), st.just(["s" * 1025]))),
+    "include_stop_str_in_output": (bools, bool_junk),
+    "presence_penalty": (numbers(-2.0, 2.0), PENALTY_JUNK),
+    "frequency_penalty": (numbers(-2.0, 2.0), PENALTY_JUNK),
+    "repetition_penalty": (numbers(0.0, 2.0, exclude_min=True),
+                           st.one_of(float_junk, st.floats(max_value=0.0),
+                                     st.floats(min_value=2.0, exclude_min=True),
+                                     st.integers(max_value=0), st.integers(min_value=3))),
 }
 WIRE_TYPES = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int,
-              "min_p": float, "ignore_eos": bool, "detokenize": bool}
+              "min_p": float, "ignore_eos": bool, "detokenize": bool, "n": int,
+              "include_stop_str_in_output": bool, "presence_penalty": float,
+              "frequency_penalty": float, "repetition_penalty": float}
 
 
 @st.composite
@@ -97,6 +123,9 @@ def check_good(sp: SamplingParams) -> None:
     assert sp.seed is None or type(sp.seed) is int
     assert sp.logprobs is None or type(sp.logprobs) is int
     assert type(sp.stop_token_ids) is list and all(type(t) is int for t in sp.stop_token_ids)
+    assert type(sp.stop) is list and all(type(s) is str and s for s in sp.stop)
+    assert sp.uses_penalties == (sp.presence_penalty != 0 or sp.frequency_penalty != 0
+                                 or sp.repetition_penalty != 1)
     assert sp.is_greedy == (sp.temperature < SAMPLING_EPS)
     plan = StepPlan(step_id=0, removed_req_ids=[], cached_reqs=[], scheduled_req_ids=["r"],
                     num_scheduled_tokens=[1],
@@ -145,9 +174,40 @@ def test_bad_sampling_params_field_is_named(data, kwargs, field, after_construct
     (dict(temperature=10 ** 400), "temperature"), (dict(logprobs=True), "logprobs"),
     (dict(detokenize=None), "detokenize"), (dict(top_p="0.5"), "top_p"),
     (dict(stop_token_ids=[1, False]), "stop_token_ids"), (dict(min_p=None), "min_p"),
+    (dict(n=True), "n"), (dict(n=0), "n"), (dict(n=129), "n"), (dict(n=2.0), "n"),
+    (dict(stop=""), "stop"), (dict(stop=[""]), "stop"), (dict(stop=["a", 1]), "stop"),
+    (dict(stop=b"ab"), "stop"), (dict(stop=["x"] * 65), "stop"), (dict(stop="x" * 1025), "stop"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=-1.0), "repetition_penalty"),
+    (dict(repetition_penalty=2.01), "repetition_penalty"),
+    (dict(repetition_penalty=math.nan), "repetition_penalty"),
+    (dict(presence_penalty=True), "presence_penalty"),
+    (dict(presence_penalty=-2.5), "presence_penalty"),
+    (dict(frequency_penalty=math.inf), "frequency_penalty"),
+    (dict(frequency_penalty="1"), "frequency_penalty"),
 ])
 def test_reported_bad_inputs(kwargs, field):
     raises_naming(f"SamplingParams.{field}", lambda: SamplingParams(**kwargs))
+
+
+def test_stop_is_normalized_to_a_list():
+    """vLLM's normalization: None -> [], a str -> [str]; the limits are inclusive."""
+    assert SamplingParams().stop == [] and SamplingParams(stop=None).stop == []
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=("a", "bc")).stop == ["a", "bc"]
+    assert SamplingParams(stop=[np.str_("x")]).stop == ["x"]
+    assert type(SamplingParams(stop=[np.str_("x")]).stop[0]) is str
+    assert SamplingParams(stop=["s" * 1024] * 64).stop == ["s" * 1024] * 64
+
+
+def test_penalty_defaults_are_off():
+    sp = SamplingParams()
+    assert (sp.n, sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty,
+            sp.include_stop_str_in_output) == (1, 0.0, 0.0, 1.0, False)
+    assert not sp.uses_penalties
+    for kw in (dict(presence_penalty=-0.5), dict(frequency_penalty=2), dict(repetition_penalty=0.1)):
+        assert SamplingParams(**kw).uses_penalties, kw
 
 
 def test_tiny_temperature_is_greedy():

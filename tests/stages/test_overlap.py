@@ -1,20 +1,19 @@
 """The overlapped step: a rank launches step N+1 before it finishes step N, so N's samples
 are still pending (their values only in the device buffer) while N+1 is applied, staged and
-run on them. In process, no Ray: the real Scheduler and StageRunner at PP=1 with placeholders,
-driven serially and overlapped; the outputs must be the same token for token, greedy and
+run on them. In process, no Ray: the real EngineCore over one StageRunner (LocalRanks) at PP=1
+with placeholders, driven serially and overlapped; the outputs must be the same token for token, greedy and
 seeded, and the pending path must really have been taken."""
 from __future__ import annotations
 
-from collections import deque
-
+import msgspec
 import numpy as np
 import pytest
 
 from ray_runtime.config import EngineConfig
-from ray_runtime.messages import NewRequestData, StepPlan
-from ray_runtime.request import Request
-from ray_runtime.sampling_params import SamplingParams
-from ray_runtime.scheduler import Scheduler
+from ray_runtime.engine_core import EngineCore
+from ray_runtime.messages import NewRequestData, RequestSpec, StepPlan
+from ray_runtime.ranks import LocalRanks
+from ray_runtime.sampling_params import RequestOutputKind, SamplingParams
 from stages.input_batch import InputBatch
 from stages.model_spec import ModelSpec
 from stages.runner import StageRunner
@@ -22,27 +21,26 @@ from tests.conftest import stress_workload
 from tests.reference import assert_matches, hf_greedy
 
 
-def _engine(model_dir: str, max_model_len: int = 320):
+def _engine(model_dir: str, overlap: bool, max_model_len: int = 320) -> EngineCore:
+    """The real engine core over one in-process StageRunner (PP=1, async placeholders)."""
     spec = ModelSpec.from_dir(model_dir)
     cfg = EngineConfig(model=model_dir, max_num_seqs=8, max_num_batched_tokens=48,
-                       num_kv_blocks=200, max_model_len=max_model_len)
+                       num_kv_blocks=200, max_model_len=max_model_len, disable_log_stats=True)
     runner = StageRunner(cfg, 0, (0, spec.num_layers), max_model_len)
     runner.init_kv_cache(cfg.num_kv_blocks)
-    sched = Scheduler(max_num_seqs=8, max_num_batched_tokens=48, num_kv_blocks=200,
-                      block_size=16, max_model_len=max_model_len, allow_placeholders=True)
-    return spec, runner, sched
+    return EngineCore(cfg, LocalRanks(runner, overlap=overlap), num_kv_blocks=200,
+                      max_model_len=max_model_len, eos_token_ids=spec.eos_token_ids)
 
 
 def _run(model_dir: str, prompts, params, overlapped: bool) -> tuple[dict, int]:
     """Two steps in flight (the PP=1 async default). Serial: each step is finished before
     the next is launched. Overlapped: step N+1 is launched before step N is finished, as
     the StepLoop does when N+1's plan is waiting. Returns outputs and patched input ids."""
-    spec, runner, sched = _engine(model_dir)
-    reqs = [Request(f"r{i}", p, sp, frozenset(spec.eos_token_ids), i)
-            for i, (p, sp) in enumerate(zip(prompts, params))]
-    for r in reqs:
-        sched.add_request(r)
-    launched: deque = deque()
+    core = _engine(model_dir, overlap=overlapped)
+    runner = core.ranks.runner
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        sp = msgspec.structs.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
+        core.add_request(RequestSpec(f"r{i}", p, sp))
     num_patched = 0
     orig_prepare = runner.prepare_inputs
 
@@ -53,25 +51,17 @@ def _run(model_dir: str, prompts, params, overlapped: bool) -> tuple[dict, int]:
         return inputs
 
     runner.prepare_inputs = counting_prepare
+    outputs = {}
     for _ in range(5000):
-        if not sched.has_unfinished() and not launched:
+        if not core.has_work():
             break
-        while len(launched) < 2:
-            record = sched.schedule()
-            if record is None:
-                break
-            if not overlapped and launched:  # serial: finish the previous step first
-                rec, step = launched.popleft()
-                sched.update_from_output(rec, runner.finish(step).sampler_output, frozenset())
-            launched.append((record, runner.launch(record.plan)))
-            runner.check()
-        rec, step = launched.popleft()
-        sched.update_from_output(rec, runner.finish(step).sampler_output, frozenset())
+        for d in core.step():
+            assert d.finished  # FINAL_ONLY: one delta per request, all of its tokens
+            outputs[d.req_id] = d.new_token_ids
         runner.check()
-        sched.pop_finished()
     else:
         pytest.fail("did not finish")
-    return {r.req_id: list(r.output_token_ids) for r in reqs}, num_patched
+    return outputs, num_patched
 
 
 @pytest.mark.parametrize("sampled", [False, True])
