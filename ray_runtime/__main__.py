@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -33,6 +34,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--placement-strategy", default="PACK",
                    choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
+    p.add_argument("--num-cpus-per-stage", type=float, default=1.0,
+                   help="logical CPUs each stage's placement-group bundle asks for")
+    p.add_argument("--address", default=None,
+                   help='the Ray cluster to join ("host:port", "auto": the `ray start` one on '
+                        'this machine); default RAY_ADDRESS if set, else a private local one')
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="record no engine metrics (ray.util.metrics)")
     p.add_argument("--sync", action="store_true", help="plan one step at a time (no async scheduling)")
     p.add_argument("--max-inflight-steps", type=int, default=None,
                    help="async: steps in flight (at PP>1, micro-batches); default 2 at PP=1, PP at PP>1")
@@ -73,7 +81,9 @@ def build_llm(args):
                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                max_model_len=args.max_model_len, placement_strategy=args.placement_strategy,
                async_scheduling=not args.sync, trace_file=args.trace_file,
-               max_inflight_steps=args.max_inflight_steps, speculative_config=spec)
+               max_inflight_steps=args.max_inflight_steps, speculative_config=spec,
+               num_cpus_per_stage=args.num_cpus_per_stage, address=args.address,
+               disable_log_stats=args.disable_log_stats)
     _install_signal_handlers()
     return llm
 
@@ -206,6 +216,10 @@ def main(argv=None) -> int:
     demo.add_argument("--max-tokens", type=int, default=96)
     demo.add_argument("--result-json", default=None, help="also write the figures here")
     args = parser.parse_args(argv)
+    # Our INFO lines (which cluster was joined, where the stages run) reach the terminal and
+    # the job logs; other libraries stay at WARNING.
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("ray_runtime").setLevel(logging.INFO)
     _install_signal_handlers()
     try:
         return cmd_generate(args) if args.command == "generate" else cmd_demo(args)

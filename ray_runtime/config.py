@@ -109,6 +109,10 @@ class EngineConfig:
     speculative_config: Optional[SpeculativeConfig] = None
     # vLLM's name: no engine metrics (ray.util.metrics, docs/operations.md) are recorded
     disable_log_stats: bool = False
+    # The Ray cluster to join (ray_runtime/cluster.py, connect_ray): "host:port", "auto" (the
+    # `ray start` cluster on this machine) or "ray://..."; None: RAY_ADDRESS if set, else a
+    # private local cluster. Ignored by a process that already called ray.init.
+    address: Optional[str] = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
@@ -173,6 +177,10 @@ class EngineConfig:
             raise bad("step_timeout_s", f"must be > 0, got {self.step_timeout_s}")
         if not isinstance(self.disable_log_stats, bool):
             raise bad("disable_log_stats", f"must be a bool, got {self.disable_log_stats!r}")
+        if self.address is not None and (not isinstance(self.address, str) or not self.address):
+            raise bad("address", f"must be a non-empty string or None, got {self.address!r}")
+        if not self.num_cpus_per_stage > 0:
+            raise bad("num_cpus_per_stage", f"must be > 0, got {self.num_cpus_per_stage}")
         if self.on_mismatch not in ("repair", "raise"):
             raise bad("on_mismatch", f"must be 'repair' or 'raise', got {self.on_mismatch!r}")
         object.__setattr__(self, "speculative_config",

@@ -6,6 +6,8 @@ placement-group bundle. Typed methods only; no dispatch by method-name string.
 """
 from __future__ import annotations
 
+import logging
+import os
 from typing import Callable, Optional
 
 from ray_runtime.config import EngineConfig
@@ -13,13 +15,54 @@ from stages.runner import StageRunner
 from stages.step_loop import StepLoop
 from stages.transport import pick_rendezvous_address
 
+logger = logging.getLogger(__name__)
+
+
+def stage_log(rank: int, pp: int) -> logging.LoggerAdapter:
+    """This stage's logger: every line names the rank that wrote it, and is written once
+    (one handler of our own on "stages", not propagated to the root logger, whatever
+    handlers Ray or a library put there)."""
+    base = logging.getLogger("stages")
+    if not base.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        base.addHandler(handler)
+        base.setLevel(logging.INFO)
+        base.propagate = False
+    return _RankAdapter(logger, {"rank": f"stage rank {rank}/{pp}"})
+
+
+class _RankAdapter(logging.LoggerAdapter):
+    def process(self, msg, kwargs):
+        return f"{self.extra['rank']}: {msg}", kwargs
+
+
+def require_model_folder(model: str, rank: int) -> None:
+    """Every node that hosts a stage loads its layers from `model`: a node without it is an
+    error naming the node and the path, before any weight is read."""
+    if os.path.isfile(os.path.join(model, "config.json")):
+        return
+    import ray
+
+    node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "?"
+    ip = ray.util.get_node_ip_address() if ray.is_initialized() else "?"
+    what = "no such folder" if not os.path.isdir(model) else "no config.json in it"
+    raise FileNotFoundError(
+        f"stage rank {rank}: the model folder {model!r} is missing on node {node} ({ip}): "
+        f"{what}. Every node that hosts a stage loads its layers from the same path: put the "
+        "checkpoint there on every node (shared storage or a copy).")
+
 
 class StageWorker:
     def __init__(self, config: EngineConfig, rank: int, layer_range: tuple[int, int],
                  max_model_len: int, engine_id: str = "") -> None:
         self._desc = (f"rank={rank}/{config.pipeline_parallel_size}, "
                       f"layers={layer_range[0]}-{layer_range[1] - 1}, engine={engine_id or '?'}")
+        self.log = stage_log(rank, config.pipeline_parallel_size)
+        require_model_folder(config.model, rank)
         self.runner = StageRunner(config, rank, layer_range, max_model_len)
+        self.log.info("layers %d-%d of %s loaded (pid %d)", layer_range[0], layer_range[1] - 1,
+                      config.model, os.getpid())
         self.loop: Optional[StepLoop] = None
 
     def __repr__(self) -> str:
@@ -27,8 +70,6 @@ class StageWorker:
         return f"StageWorker({getattr(self, '_desc', '')})"
 
     def node_info(self) -> dict:
-        import os
-
         import ray
 
         ctx = ray.get_runtime_context()
