@@ -18,36 +18,13 @@ import signal
 import sys
 import time
 
+from ray_runtime.cli_args import add_engine_args, engine_kwargs
 from ray_runtime.sampling_params import SamplingParams
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model folder (default: the demo SmolLM2)")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=2)
-    p.add_argument("--pp-layer-partition", default=None, help='layers per stage, e.g. "3,2,2"')
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--placement-strategy", default="PACK",
-                   choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
-    p.add_argument("--num-cpus-per-stage", type=float, default=1.0,
-                   help="logical CPUs each stage's placement-group bundle asks for")
-    p.add_argument("--address", default=None,
-                   help='the Ray cluster to join ("host:port", "auto": the `ray start` one on '
-                        'this machine); default RAY_ADDRESS if set, else a private local one')
-    p.add_argument("--disable-log-stats", action="store_true",
-                   help="record no engine metrics (ray.util.metrics)")
-    p.add_argument("--sync", action="store_true", help="plan one step at a time (no async scheduling)")
-    p.add_argument("--max-inflight-steps", type=int, default=None,
-                   help="async: steps in flight (at PP>1, micro-batches); default 2 at PP=1, PP at PP>1")
-    p.add_argument("--trace-file", default=None, help="write a Chrome-trace / Perfetto JSON here")
-    p.add_argument("--speculative-config", default=None,
-                   help='JSON, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
-                        '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\'')
+    """One flag per EngineConfig field (ray_runtime/cli_args.py), defaults from EngineConfig."""
+    add_engine_args(p)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -64,26 +41,12 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 def build_llm(args):
     from ray_runtime.api import LLM
 
-    spec = None
-    if args.speculative_config:
-        try:
-            spec = json.loads(args.speculative_config)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--speculative-config is not JSON: {e}") from None
     model = args.model
     if model is None:
         from ray_runtime.demo_model import ensure_smollm2
 
         model = ensure_smollm2()
-    llm = LLM(model=model, pipeline_parallel_size=args.pipeline_parallel_size,
-               pp_layer_partition=args.pp_layer_partition, device=args.device, dtype=args.dtype,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-               max_model_len=args.max_model_len, placement_strategy=args.placement_strategy,
-               async_scheduling=not args.sync, trace_file=args.trace_file,
-               max_inflight_steps=args.max_inflight_steps, speculative_config=spec,
-               num_cpus_per_stage=args.num_cpus_per_stage, address=args.address,
-               disable_log_stats=args.disable_log_stats)
+    llm = LLM(model=model, tokenizer=args.tokenizer, **engine_kwargs(args))
     _install_signal_handlers()
     return llm
 
@@ -175,27 +138,28 @@ def cmd_demo(args) -> int:
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         for q, out in zip(DEMO_QUESTIONS, outs):
             print(f"\n### {q}\n{out.outputs[0].text.strip()}")
-        print(f"\nPP={args.pipeline_parallel_size} on {args.device}: {len(outs)} requests, "
+        cfg = llm.config
+        print(f"\nPP={cfg.pipeline_parallel_size} on {cfg.device}: {len(outs)} requests, "
               f"{n_out} output tokens in {elapsed:.2f}s = {n_out / elapsed:.1f} tok/s")
         stats = llm.stats()
         if args.result_json:
-            _save_demo_result(args, len(outs), n_out, elapsed, stats)
+            _save_demo_result(args, cfg, len(outs), n_out, elapsed, stats)
         print(f"steps {stats['num_steps']}, stage idle fraction "
               f"{[round(f, 3) for f in stats['stage_idle_fraction']]}, bookkeeping mismatches "
               f"{stats['bookkeeping_mismatches']}")
     return 0
 
 
-def _save_demo_result(args, n_req: int, n_out: int, elapsed: float, stats: dict) -> None:
+def _save_demo_result(args, cfg, n_req: int, n_out: int, elapsed: float, stats: dict) -> None:
     import datetime
     import os
     import platform
 
     record = {"bench": "demo", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "command": "python -m ray_runtime " + " ".join(sys.argv[1:]),
-              "device": f"{args.device}: {platform.machine()} x{os.cpu_count()}",
-              "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized, run in " + args.dtype + ")",
-              "pipeline_parallel_size": args.pipeline_parallel_size, "requests": n_req,
+              "device": f"{cfg.device}: {platform.machine()} x{os.cpu_count()}",
+              "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized, run in " + cfg.dtype + ")",
+              "pipeline_parallel_size": cfg.pipeline_parallel_size, "requests": n_req,
               "output_tokens": n_out, "elapsed_s": round(elapsed, 3),
               "output_tok_s": round(n_out / elapsed, 2), "steps": stats["num_steps"],
               "stage_idle_fraction": stats["stage_idle_fraction"]}
@@ -213,6 +177,7 @@ def main(argv=None) -> int:
     gen.add_argument("--output", required=True)
     demo = sub.add_parser("demo", help="chat answers from SmolLM2-135M-Instruct, with tok/s")
     _engine_args(demo)
+    demo.set_defaults(pipeline_parallel_size=2)  # the demo shows the pipeline
     demo.add_argument("--max-tokens", type=int, default=96)
     demo.add_argument("--result-json", default=None, help="also write the figures here")
     args = parser.parse_args(argv)

@@ -48,7 +48,8 @@ class Progress:
                 f"{self.tokens / max(elapsed, 1e-9):.1f} tok/s, {elapsed:.0f} s")
 
     def close(self) -> None:
+        """The bar's end, or off a terminal the last progress line (always one per call)."""
         if self._bar is not None:
             self._bar.close()
-        elif self.enabled and self.done and time.monotonic() - self.t0 >= self.log_every_s:
+        elif self.enabled and self.done:
             logger.info("%s", self.line(time.monotonic()))

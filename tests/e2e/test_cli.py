@@ -13,6 +13,15 @@ from tests.conftest import ROOT, stress_workload
 from tests.reference import assert_matches, hf_greedy
 
 
+def _env() -> dict:
+    """The CLI joins the session's cluster by RAY_ADDRESS (with no address it would start a
+    private one)."""
+    import ray
+
+    return {**os.environ, "PYTHONPATH": ROOT,
+            "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+
+
 def test_cli_generate_jsonl(ray_cluster, tiny_model, tmp_path):
     model = tiny_model("mistral")
     prompts, budgets = stress_workload(seed=21, num_requests=6, max_len=80)
@@ -27,7 +36,7 @@ def test_cli_generate_jsonl(ray_cluster, tiny_model, tmp_path):
            "--max-tokens", "99", "--temperature", "0", "--ignore-eos",
            "--max-num-batched-tokens", "32",
            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = _env()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tok/s" in proc.stdout
@@ -44,7 +53,7 @@ def test_cli_rejects_bad_input_with_exit_2(ray_cluster, tiny_model, tmp_path):
     src.write_text(json.dumps({"prompt_token_ids": [5, 6], "sampling_params": {"top_p": 3}}) + "\n")
     cmd = [sys.executable, "-m", "ray_runtime", "generate", "--model", tiny_model("mistral"),
            "-pp", "1", "--input", str(src), "--output", str(tmp_path / "o.jsonl")]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "top_p" in proc.stderr
     assert "bad.jsonl:1" in proc.stderr, "the error names the file and line"
@@ -60,7 +69,7 @@ def test_cli_rejects_bad_speculative_config_with_exit_2(tiny_model, tmp_path):
         cmd = [sys.executable, "-m", "ray_runtime", "generate", "--model", tiny_model("mistral"),
                "-pp", "1", "--input", str(src), "--output", str(tmp_path / "o.jsonl"),
                "--speculative-config", bad]
-        proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(),
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and field in proc.stderr, proc.stderr[-2000:]
 
@@ -71,7 +80,7 @@ def test_cli_rejects_bad_max_inflight_steps_with_exit_2(tiny_model, tmp_path):
     cmd = [sys.executable, "-m", "ray_runtime", "generate", "--model", tiny_model("mistral"),
            "-pp", "1", "--input", str(src), "--output", str(tmp_path / "o.jsonl"),
            "--max-inflight-steps", "0"]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "max_inflight_steps" in proc.stderr, proc.stderr[-2000:]
 
@@ -94,7 +103,7 @@ def test_cli_stops_on_a_signal_within_5s_and_writes_no_output(ray_cluster, tiny_
     cmd = [sys.executable, "-m", "ray_runtime", "generate", "--model", model,
            "--pipeline-parallel-size", "2", "--input", str(_long_job(tmp_path, model)),
            "--output", str(dst), "--max-tokens", "460", "--ignore-eos"]
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = _env()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:

@@ -63,8 +63,7 @@ def test_generate_job_succeeds_with_outputs_and_logs(head, tiny_model, tmp_path)
     # The entrypoint joined the job's cluster (RAY_ADDRESS), not a private one.
     assert f"joined the Ray cluster at" in logs and "(RAY_ADDRESS=" in logs, logs[-3000:]
     assert "4 requests, 20 output tokens" in logs  # the CLI's summary line
-    # TODO(issue 11, item 4): assert the CLI's periodic progress lines once the CLI logs them
-    # (requests done, tokens/s); today the summary above is all it prints.
+    assert "progress: 4/4 requests done, 20 output tokens" in logs, logs[-3000:]  # off a terminal
     for rank in (0, 1):  # each stage's start line names its rank, once
         assert logs.count(f"stage rank {rank}/2: layers") == 1, logs[-3000:]
 
