@@ -194,3 +194,36 @@ def test_engine_failure_fails_the_stream_and_the_engine_serves_on(ray_cluster, t
                        hf_greedy(tok_model, (5, 6, 7), 6, eos=False), "after the failure")
     finally:
         engine.shutdown()
+
+
+def test_stats_and_health_answer_while_a_stage_stalls(ray_cluster, tok_model):
+    """A stage stalls mid-stream: stats() and health() still answer at once (the driver's
+    loop runs beside its actor threads); past step_timeout_s the stage is replaced and the
+    stream finishes with the reference tokens."""
+    import time
+
+    from tests.e2e.faults import StallAtStep
+
+    engine = AsyncLLM(tok_model, pipeline_parallel_size=2, step_timeout_s=6.0,
+                      max_stage_restarts=1)
+    try:
+        engine._set_fault_hook(1, StallAtStep(3, 25.0))
+
+        async def main():
+            task = asyncio.create_task(_collect(
+                engine, {"prompt_token_ids": [5, 6, 7]}, _greedy(12, DELTA), "stalled"))
+            await asyncio.sleep(3.0)  # the stall has begun, the deadline not yet passed
+            t0 = time.monotonic()
+            stats = engine.stats()
+            health = await engine.health()
+            took = time.monotonic() - t0
+            return await task, stats, health, took
+
+        outs, stats, health, took = asyncio.run(main())
+        assert took < 2.0, f"stats() and health() took {took:.1f}s during a stall"
+        assert health["busy"] and stats["num_requests_running"] == 1
+        ids = [t for o in outs for t in o.outputs[0].token_ids]
+        assert_matches(ids, hf_greedy(tok_model, (5, 6, 7), 12, eos=False), "after the stall")
+        assert engine.stats()["num_stage_restarts"] == 1
+    finally:
+        engine.shutdown()
