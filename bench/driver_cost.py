@@ -1,25 +1,29 @@
-"""The driver's own cost per step, without Ray or a model: planning (schedule + msgpack
-encode of the plan), committing a sampler output (update_from_output), the audit of one
-rank's digests and collecting finished requests (pop_finished), at 16, 64 and 256 running
-requests in steady decode, in three modes:
+"""The driver's own cost per step, without Ray or a model: EngineCore.step() itself (plan:
+schedule + msgpack encode; reading the ranks' replies: msgpack decode; the audit of every
+rank's digests; commit: update_from_output; pop_finished; the deltas) over EchoRanks
+(ray_runtime/echo_ranks.py: ranks that keep their bookkeeping from the plans alone and answer
+with digests and one token per sampling request). The echo's own time (being the ranks:
+applying the plan, digests, sampling, encoding its replies) is measured and taken out. At 16,
+64 and 256 running requests in steady decode, in three modes:
 
-  sync      every running request in every step (PP=1 sync; the figures of earlier runs)
-  pp1_async placeholders on, two plans in flight (PP=1 async: a step is planned on the
-            pending sample of the step before it)
-  pp2       no placeholders, two plans in flight (PP>1: requests wait for their token, so
-            the running requests split into two micro-batches)
+  sync      async_scheduling=False: every running request in every step, one in flight
+  pp1_async the default at PP=1: placeholders on, two plans in flight (a step is planned on
+            the pending sample of the step before it)
+  pp2       the default at PP=2: no placeholders, two plans in flight (requests wait for
+            their token, so the running requests split into two micro-batches); two ranks
+            reply, and both are audited
 
 Per mode, a least-squares line over the three sizes, per step = fixed + per_request x
-(requests scheduled in the step), with one rank's audit: the issue's target is <= ~2 us per
-scheduled request + 100 us fixed (add audit_us_per_request for every further rank). Then the
-queue: a few running requests with 500 and with 20,000 waiting (queued) requests; a step
-must not cost more with the longer queue.
+(requests scheduled in the step): the issue's target is <= ~2 us per scheduled request + 100
+us fixed (at pp2 the step holds two ranks' audits; audit_ms_per_rank is one). Then the queue:
+a few running requests with 500 and with 20,000 waiting (queued) requests; a step must not
+cost more with the longer queue.
 
 Each configuration runs --repeats times; per measure the smallest of the runs' medians is
 kept (the 2-core machine is shared: the other runs only add noise).
 
   python bench/driver_cost.py [--running 16 64 256] [--prompt-len 512] [--steps 200]
-                              [--repeats 3] [--queued 500 20000]
+                              [--repeats 3] [--queued 500 20000] [--stream]
 """
 from __future__ import annotations
 
@@ -27,98 +31,114 @@ import argparse
 import os
 import sys
 import time
-from collections import deque
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
 from bench.common import save  # noqa: E402
+from ray_runtime.config import EngineConfig, default_inflight_steps  # noqa: E402
 from ray_runtime.digest import rows_hash  # noqa: E402
-from ray_runtime.messages import RowDigest, SamplerOutput, encode  # noqa: E402
-from ray_runtime.reconcile import audit  # noqa: E402
-from ray_runtime.request import Request  # noqa: E402
-from ray_runtime.sampling_params import SamplingParams  # noqa: E402
-from ray_runtime.scheduler import Scheduler  # noqa: E402
+from ray_runtime.echo_ranks import EchoRanks  # noqa: E402
+from ray_runtime.engine_core import EngineCore  # noqa: E402
+from ray_runtime.messages import RequestSpec, StepPlan  # noqa: E402
+from ray_runtime.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
-MODES = {"sync": (False, 1), "pp1_async": (True, 2), "pp2": (False, 2)}  # placeholders, in flight
+MODES = {"sync": (False, 1), "pp1_async": (True, 1), "pp2": (True, 2)}  # async_scheduling, PP
 BLOCK_SIZE = 16
+PHASES = ("plan", "decode", "audit", "commit", "pop", "other")
 
 
-def make_scheduler(n_running: int, n_waiting: int, prompt_len: int, steps: int,
-                   placeholders: bool, seed: int = 0) -> Scheduler:
+class Timed:
+    """Wraps a bound method of `obj` so that its calls' time adds up in `self.s`."""
+
+    def __init__(self, obj, attr: str) -> None:
+        fn = getattr(obj, attr)
+        self.s = 0.0
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.s += time.perf_counter() - t0
+
+        setattr(obj, attr, timed)
+
+
+def make_engine(n_running: int, n_waiting: int, prompt_len: int, steps: int, mode: str,
+                stream: bool = False, seed: int = 0) -> EngineCore:
     """n_running requests that will decode for the whole run; n_waiting more behind them
     that max_num_seqs keeps queued."""
+    async_scheduling, pp = MODES[mode]
     max_len = prompt_len + steps + 64
-    sched = Scheduler(max_num_seqs=n_running, max_num_batched_tokens=max(n_running, 8192),
-                      block_size=BLOCK_SIZE,
-                      num_kv_blocks=n_running * (max_len // BLOCK_SIZE + 2),
-                      max_model_len=max_len, allow_placeholders=placeholders)
+    blocks = n_running * (max_len // BLOCK_SIZE + 2)
+    cfg = EngineConfig(model="(none: EchoRanks)", pipeline_parallel_size=pp,
+                       async_scheduling=async_scheduling, max_num_seqs=n_running,
+                       max_num_batched_tokens=max(n_running, 8192), block_size=BLOCK_SIZE,
+                       num_kv_blocks=blocks, max_model_len=max_len, disable_log_stats=True,
+                       on_mismatch="raise")
+    core = EngineCore(cfg, EchoRanks(pp), num_kv_blocks=blocks, max_model_len=max_len,
+                      eos_token_ids=[])
     rng = np.random.default_rng(seed)
-    sp = SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True)
+    kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+    sp = SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True, output_kind=kind)
     for i in range(n_running + n_waiting):
-        sched.add_request(Request(str(i), rng.integers(3, 30000, prompt_len).tolist(), sp,
-                                  frozenset(), i))
-    return sched
+        core.add_request(RequestSpec(str(i), rng.integers(3, 30000, prompt_len).tolist(), sp))
+    return core
 
 
-def digests_for(rec) -> list[RowDigest]:
-    """What every rank reports when its bookkeeping agrees with the driver's."""
-    return [RowDigest(r, e.incarnation, e.num_tokens_known, e.num_tokens_known,
-                      e.num_computed_tokens, e.token_hash, 0, e.num_draft_tokens)
-            for r, e in rec.expected.items()]
+def _steady(plan: StepPlan) -> bool:
+    """Steady decode: every scheduled request one token, no admission."""
+    return not plan.new_reqs and plan.total_num_scheduled_tokens == len(plan.scheduled_req_ids)
 
 
-def output_for(rec) -> SamplerOutput:
-    ids = [r for r in rec.plan.scheduled_req_ids if r in rec.sampling]
-    return SamplerOutput(step_id=rec.plan.step_id, req_ids=ids,
-                         incarnations=[rec.expected[r].incarnation for r in ids],
-                         sampled_token_ids=[[7] for _ in ids])
-
-
-def drive(sched: Scheduler, inflight: int, steps: int, queued: bool = False) -> dict:
-    """The driver's loop (plan until `inflight` steps are out, then complete the oldest),
-    each phase timed in the steps of steady decode: every scheduled request one token, no
-    admission, and no request waiting unless `queued` (prefill and mixed steps not counted)."""
-    t = {k: [] for k in ("plan", "commit", "audit", "pop", "reqs", "bytes")}
-    q: deque = deque()
+def drive(core: EngineCore, steps: int, queued: bool = False) -> dict:
+    """EngineCore.step() until `steps` steps of steady decode were timed: steps that sent one
+    plan and completed one, both steady decode, with no request waiting unless `queued`
+    (prefill and mixed steps not counted). Each phase's time is read from the core's own
+    counters (plan_s, wait_s, audit_s) and from wrappers on the scheduler's commit and
+    pop_finished; the echo ranks' time is taken out of plan (send_plan) and of the step."""
+    echo: EchoRanks = core.ranks
+    commit, pop = Timed(core.scheduler, "update_from_output"), Timed(core.scheduler, "pop_finished")
+    t = {k: [] for k in PHASES + ("step", "reqs", "bytes")}
     untimed = 0
-    while len(t["plan"]) < steps:
-        while len(q) < inflight:
-            t0 = time.perf_counter()
-            rec = sched.schedule()
-            if rec is None:
-                break
-            data = encode(rec.plan)
-            t1 = time.perf_counter()
-            plan = rec.plan
-            decode = ((queued or not sched.waiting) and not plan.new_reqs
-                      and plan.total_num_scheduled_tokens == len(plan.scheduled_req_ids))
-            q.append((rec, t1 - t0, len(data), decode))
-        rec, plan_s, nbytes, timed = q.popleft()
-        digests = digests_for(rec)
-        out = output_for(rec)
-        t2 = time.perf_counter()
-        found = audit(rec.expected, digests, rank=0, is_last=False)
-        t3 = time.perf_counter()
-        sched.update_from_output(rec, out)
-        t4 = time.perf_counter()
-        sched.pop_finished()
-        t5 = time.perf_counter()
-        assert not found, found[:3]
-        if timed:
-            for k, v in (("plan", plan_s), ("audit", t3 - t2), ("commit", t4 - t3),
-                         ("pop", t5 - t4), ("reqs", len(rec.plan.scheduled_req_ids)),
-                         ("bytes", nbytes)):
-                t[k].append(v)
-        else:
+    while len(t["step"]) < steps:
+        before = (core.plan_s, core.wait_s, core.audit_s, commit.s, pop.s, echo.rank_s,
+                  echo.num_plans, echo.last_read_plan)
+        t0 = time.perf_counter()
+        core.step()
+        wall = time.perf_counter() - t0
+        plan_s, wait_s, audit_s, commit_s, pop_s, rank_s, num_plans, last_read = before
+        read = echo.last_read_plan
+        timed = (echo.num_plans == num_plans + 1 and read is not last_read
+                 and _steady(echo.last_sent_plan) and _steady(read)
+                 and (queued or not core.scheduler.waiting))
+        if not timed:
             untimed += 1
             assert untimed < 10 * steps, "never reached steady decode"
-    us = {k: 1e6 * float(np.median(t[k])) for k in ("plan", "commit", "audit", "pop")}
-    total = np.add.reduce([np.asarray(t[k]) for k in ("plan", "commit", "audit", "pop")])
-    us["step"] = 1e6 * float(np.median(total))
-    us["step_mean"] = 1e6 * float(np.mean(total))
+            continue
+        rank = echo.rank_s - rank_s
+        step = wall - rank
+        ph = {"plan": core.plan_s - plan_s - rank, "decode": core.wait_s - wait_s,
+              "audit": core.audit_s - audit_s, "commit": commit.s - commit_s,
+              "pop": pop.s - pop_s}
+        # the rest of step(): deltas, trace spans, freeing the step's record and replies
+        ph["other"] = step - sum(ph.values())
+        for k, v in ph.items():
+            t[k].append(v)
+        t["step"].append(step)
+        t["reqs"].append(len(read.scheduled_req_ids))
+        t["bytes"].append(echo.last_sent_nbytes)
+    assert core.num_mismatches == 0
+    us = {k: 1e6 * float(np.median(t[k])) for k in PHASES + ("step",)}
+    us["step_mean"] = 1e6 * float(np.mean(t["step"]))
     return {"us": us, "reqs": float(np.median(t["reqs"])), "bytes": int(np.median(t["bytes"]))}
+
+
+def inflight_of(mode: str) -> int:
+    async_scheduling, pp = MODES[mode]
+    return default_inflight_steps(pp) if async_scheduling else 1
 
 
 def best_of(fn, repeats: int) -> dict:
@@ -155,22 +175,27 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--queued", type=int, nargs="*", default=[500, 20000])
     p.add_argument("--queued-running", type=int, default=4)
+    p.add_argument("--stream", action="store_true",
+                   help="requests report every step's tokens (DELTA), not only the final output")
     args = p.parse_args()
 
     rows, fits = [], {}
-    for mode, (placeholders, inflight) in MODES.items():
+    for mode, (async_scheduling, pp) in MODES.items():
+        inflight = inflight_of(mode)
         mode_rows = []
         for n in args.running:
-            def once(n=n, placeholders=placeholders, inflight=inflight):
-                sched = make_scheduler(n, 0, args.prompt_len, args.steps * inflight + 64,
-                                       placeholders)
-                return drive(sched, inflight, args.steps)
+            def once(n=n, mode=mode, inflight=inflight):
+                core = make_engine(n, 0, args.prompt_len, args.steps * inflight + 64, mode,
+                                   args.stream)
+                return drive(core, args.steps)
             r = best_of(once, args.repeats)
             us = r["us"]
             row = {"mode": mode, "running": n, "scheduled_per_step": r["reqs"],
                    "plan_ms": round(us["plan"] / 1e3, 4), "commit_ms": round(us["commit"] / 1e3, 4),
-                   "audit_ms_per_rank": round(us["audit"] / 1e3, 4),
+                   "audit_ms_per_rank": round(us["audit"] / pp / 1e3, 4),
                    "pop_finished_ms": round(us["pop"] / 1e3, 4),
+                   "reply_decode_ms": round(us["decode"] / 1e3, 4),
+                   "other_ms": round(us["other"] / 1e3, 4),
                    "step_ms": round(us["step"] / 1e3, 4),
                    "step_mean_ms": round(us["step_mean"] / 1e3, 4),
                    "us_per_scheduled_request": round(us["step"] / r["reqs"], 3),
@@ -192,18 +217,20 @@ def main() -> None:
     queued = []
     for w in args.queued:
         def once_q(w=w):
-            sched = make_scheduler(args.queued_running, w, 32, args.steps + 64, False)
-            return drive(sched, 1, args.steps, queued=True)
+            core = make_engine(args.queued_running, w, 32, args.steps + 64, "sync", args.stream)
+            return drive(core, args.steps, queued=True)
         r = best_of(once_q, args.repeats)
         queued.append({"waiting": w, "running": args.queued_running,
                        "step_us": round(r["us"]["step"], 2),
                        "pop_finished_us": round(r["us"]["pop"], 2)})
 
     print(f"{'mode':>10} {'running':>7} {'sched/step':>10} {'plan ms':>8} {'commit ms':>9} "
-          f"{'audit ms/rank':>13} {'pop ms':>7} {'step ms':>8} {'us/req':>7} {'plan bytes':>10}")
+          f"{'audit ms/rank':>13} {'pop ms':>7} {'decode ms':>9} {'other ms':>8} {'step ms':>8} "
+          f"{'us/req':>7} {'plan bytes':>10}")
     for r in rows:
         print(f"{r['mode']:>10} {r['running']:>7} {r['scheduled_per_step']:>10} {r['plan_ms']:>8} "
               f"{r['commit_ms']:>9} {r['audit_ms_per_rank']:>13} {r['pop_finished_ms']:>7} "
+              f"{r['reply_decode_ms']:>9} {r['other_ms']:>8} "
               f"{r['step_ms']:>8} {r['us_per_scheduled_request']:>7} {r['plan_bytes']:>10}")
     for mode, f in fits.items():
         print(f"{mode:>10}: per step = {f['step_fixed_us']} us + {f['step_us_per_request']} us x "
@@ -220,12 +247,15 @@ def main() -> None:
               f"{queue_ratio}x per step")
     path = save("driver_cost", {
         "workload": {"prompt_len": args.prompt_len, "decode_steps": args.steps,
-                     "repeats": args.repeats,
+                     "repeats": args.repeats, "stream": args.stream,
                      "note": "steady decode; per measure the smallest median over the repeats; "
-                             "step = plan (schedule + encode) + commit + one rank's audit + "
-                             "pop_finished; fit: step = fixed + per_request x scheduled requests",
-                     "modes": {m: {"placeholders": ph, "inflight": k}
-                               for m, (ph, k) in MODES.items()}},
+                             "step = EngineCore.step() over EchoRanks less the echo's own time: "
+                             "plan (schedule + encode) + reply decode + every rank's audit + "
+                             "commit + pop_finished + other (deltas, trace spans); "
+                             "fit: step = fixed + per_request x scheduled requests",
+                     "modes": {m: {"async_scheduling": a, "pipeline_parallel_size": pp,
+                                   "placeholders": a and pp == 1, "inflight": inflight_of(m)}
+                               for m, (a, pp) in MODES.items()}},
         "rows": rows, "fit": fits, "queued": queued, "queue_ratio": queue_ratio})
     print("wrote", path)
 

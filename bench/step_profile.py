@@ -1,7 +1,8 @@
-"""Where a decode step's time goes, at PP=1 without Ray: the real Scheduler and StageRunner in
-one process, in lockstep (plan, encode, decode, execute, commit), each phase timed on the
-host; then a torch.profiler table of the GPU kernels of a few steps; then the paged decode
-attention kernel alone on one layer's cache, against the bytes it must read.
+"""Where a decode step's time goes, at PP=1 without Ray: the real EngineCore over one
+in-process StageRunner (LocalRanks), in lockstep (plan, encode, decode, execute, commit), each
+phase timed on the host by wrapping the core's, the ranks' and the runner's methods; then a
+torch.profiler table of the GPU kernels of a few steps; then the paged decode attention kernel
+alone on one layer's cache, against the bytes it must read.
 
   python bench/step_profile.py [--rows 256] [--prompt-len 128] [--steps 64] [--eager]
   python bench/step_profile.py --device cpu --small   (a smoke run)
@@ -53,10 +54,13 @@ class PhaseTimer:
 
 
 def build(args, model_dir: str, enforce_eager: bool):
+    """The real EngineCore in lockstep (async_scheduling=False: one step in flight) over one
+    in-process StageRunner (LocalRanks, serial)."""
     from ray_runtime.config import EngineConfig
-    from ray_runtime.scheduler import Scheduler
-    from stages.runner import StageRunner
+    from ray_runtime.engine_core import EngineCore
+    from ray_runtime.ranks import LocalRanks
     from stages.model_spec import ModelSpec
+    from stages.runner import StageRunner
 
     spec = ModelSpec.from_dir(model_dir)
     max_model_len = args.prompt_len + args.steps + 64
@@ -64,75 +68,96 @@ def build(args, model_dir: str, enforce_eager: bool):
     cfg = EngineConfig(model=model_dir, device=args.device, dtype=args.dtype,
                        max_num_seqs=args.rows, max_num_batched_tokens=max(8192, args.rows),
                        num_kv_blocks=args.rows * per_req, max_model_len=max_model_len,
-                       enforce_eager=enforce_eager)
+                       enforce_eager=enforce_eager, async_scheduling=False,
+                       disable_log_stats=True)
     runner = StageRunner(cfg, 0, (0, spec.num_layers), max_model_len)
     runner.init_kv_cache(cfg.num_kv_blocks)
-    sched = Scheduler(max_num_seqs=args.rows, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                      num_kv_blocks=cfg.num_kv_blocks, block_size=16, max_model_len=max_model_len)
-    return spec, runner, sched
+    core = EngineCore(cfg, LocalRanks(runner, overlap=False), num_kv_blocks=cfg.num_kv_blocks,
+                      max_model_len=max_model_len, eos_token_ids=spec.eos_token_ids)
+    return spec, core
+
+
+RANK_PHASES = ("rank_apply_plan", "rank_prepare_inputs", "rank_digests", "rank_forward",
+               "rank_sample", "rank_finish")
 
 
 def lockstep(args, model_dir: str, enforce_eager: bool) -> dict:
-    """Prefill every prompt, then time steady decode phase by phase."""
-    from ray_runtime.messages import decode_plan, decode_result, encode
-    from ray_runtime.request import Request
-    from ray_runtime.sampling_params import SamplingParams
+    """Prefill every prompt, then time steady decode phase by phase: EngineCore.step() with
+    the core's, the scheduler's, the ranks' and the runner's methods wrapped by PhaseTimer.
 
-    spec, runner, sched = build(args, model_dir, enforce_eager)
+    driver_plan_encode   schedule + encode (the core's plan time, less the ranks' send_plan)
+    rank_execute_total   LocalRanks.send_plan (decode the plan, launch) + read_replies (finish)
+    driver_decode_commit the rest of the step: audit, commit (update_from_output), collect
+                         the finished, deltas; of which driver_audit and driver_commit
+    step_total           EngineCore.step()
+    """
+    from ray_runtime.messages import RequestSpec
+    from ray_runtime.sampling_params import RequestOutputKind, SamplingParams
+
+    spec, core = build(args, model_dir, enforce_eager)
+    runner, ranks, sched = core.ranks.runner, core.ranks, core.scheduler
     rng = random.Random(0)
+    sp = SamplingParams(max_tokens=args.steps + 40, temperature=0, ignore_eos=True,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
     for i in range(args.rows):
-        sched.add_request(Request(str(i), [rng.randrange(3, spec.vocab_size) for _ in range(args.prompt_len)],
-                                  SamplingParams(max_tokens=args.steps + 40, temperature=0, ignore_eos=True),
-                                  frozenset(), i))
+        core.add_request(RequestSpec(str(i), [rng.randrange(3, spec.vocab_size)
+                                              for _ in range(args.prompt_len)], sp))
     sync = args.device == "cuda"
     timer = PhaseTimer(sync)
+    planned = []  # the plan of each step, as scheduled (lockstep: the one it completes)
+    schedule = sched.schedule
+
+    def schedule_seen():
+        record = schedule()
+        if record is not None:
+            planned.append(record.plan)
+        return record
+
+    sched.schedule = schedule_seen
     timer.wrap(runner.batch, "apply_plan", "rank_apply_plan")
     timer.wrap(runner, "prepare_inputs", "rank_prepare_inputs")
-    timer.wrap(runner.batch, "digests", "rank_digests")
+    timer.wrap(runner.batch, "digests_of", "rank_digests")
     timer.wrap(runner, "_forward", "rank_forward")
     timer.wrap(runner.last, "sample_step", "rank_sample")  # logits and sampling
     timer.wrap(runner, "finish", "rank_finish")
+    timer.wrap(ranks, "send_plan", "rank_send_plan")
+    timer.wrap(ranks, "read_replies", "rank_read_replies")
+    timer.wrap(sched, "update_from_output", "driver_commit")
     decode_steps = 0
     while decode_steps < args.steps:
+        plan_s, audit_s = core.plan_s, core.audit_s
         t0 = time.perf_counter()
-        record = sched.schedule()
-        plan_bytes = encode(record.plan)
+        core.step()
         t1 = time.perf_counter()
-        result = runner.execute(decode_plan(plan_bytes))
-        result_bytes = encode(result)
-        t2 = time.perf_counter()
-        out = decode_result(result_bytes).sampler_output
-        sched.update_from_output(record, out, frozenset())
-        t3 = time.perf_counter()
-        is_decode = record.plan.total_num_scheduled_tokens == args.rows
-        if not is_decode:  # prefill steps: not what this measures
+        plan = planned[-1]
+        planned.clear()
+        if plan.total_num_scheduled_tokens != args.rows:  # prefill steps: not what this measures
             for v in timer.times.values():
                 v.clear()
             continue
         decode_steps += 1
-        timer.add("driver_plan_encode", t1 - t0)
-        timer.add("rank_execute_total", t2 - t1)
-        timer.add("driver_decode_commit", t3 - t2)
-        timer.add("step_total", t3 - t0)
+        send, read = timer.times["rank_send_plan"][-1], timer.times["rank_read_replies"][-1]
+        plan_encode = core.plan_s - plan_s - send
+        timer.add("driver_plan_encode", plan_encode)
+        timer.add("rank_execute_total", send + read)
+        timer.add("driver_decode_commit", (t1 - t0) - plan_encode - send - read)
+        timer.add("driver_audit", core.audit_s - audit_s)
+        timer.add("step_total", t1 - t0)
+    assert core.num_mismatches == 0
     med = timer.medians_ms(skip=4)
     med["rank_other"] = round(med["rank_execute_total"] - sum(
-        med.get(k, 0.0) for k in ("rank_apply_plan", "rank_prepare_inputs", "rank_digests",
-                                   "rank_forward", "rank_sample", "rank_finish")), 3)
-    prof = kernel_table(runner, sched, args) if args.device == "cuda" else None
+        med.get(k, 0.0) for k in RANK_PHASES), 3)
+    prof = kernel_table(core) if args.device == "cuda" else None
     return {"enforce_eager": enforce_eager, "median_ms": med, "kernels": prof}
 
 
-def kernel_table(runner, sched, args) -> list[dict]:
+def kernel_table(core) -> list[dict]:
     """GPU kernel time over 8 more decode steps, top 20 by total CUDA time."""
     from torch.profiler import ProfilerActivity, profile
 
-    from ray_runtime.messages import decode_plan, encode
-
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(8):
-            record = sched.schedule()
-            res = runner.execute(decode_plan(encode(record.plan)))
-            sched.update_from_output(record, res.sampler_output, frozenset())
+            core.step()
         torch.cuda.synchronize()
     rows = []
     for e in prof.key_averages():
@@ -204,7 +229,7 @@ def main() -> None:
         "model": {"shape": "qwen3-small" if args.small else "Qwen3-0.6B", "dtype": args.dtype,
                   "weights": "random"},
         "workload": {"rows": args.rows, "prompt_len": args.prompt_len, "decode_steps": args.steps,
-                     "greedy": True, "mode": "PP=1 lockstep in one process, no Ray"},
+                     "greedy": True, "mode": "PP=1 lockstep in one process, no Ray: EngineCore over LocalRanks"},
         "runs": runs, "attention_alone": attn})
     print("wrote", path)
 

@@ -1,8 +1,8 @@
-"""The driver's per-step cost (no Ray): the queue does not cost per step, finished requests
-are collected in O(finished), and what the fast paths replaced still gives the same answers
-(the request's O(1) hash update against digest.py, the audit against its field-by-field
-reading, the record's per-request views, BlockManager.reserve against can_allocate +
-allocate).
+"""The driver's per-step cost (no Ray, no model: EngineCore over EchoRanks): the queue does
+not cost per step, finished requests are reported once in the order added, and what the
+fast paths replaced still gives the same answers (the request's O(1) hash update against
+digest.py, the audit against its field-by-field reading, the record's per-request views,
+BlockManager.reserve against can_allocate + allocate).
 """
 from __future__ import annotations
 
@@ -12,47 +12,57 @@ import time
 import numpy as np
 import pytest
 
+from ray_runtime.config import EngineConfig
 from ray_runtime.digest import extend_hash, rows_hash
+from ray_runtime.echo_ranks import EchoRanks
+from ray_runtime.engine_core import EngineCore
 from ray_runtime.kv_blocks import BlockManager
-from ray_runtime.messages import RowDigest, SamplerOutput
-from ray_runtime.reconcile import Mismatch, audit
+from ray_runtime.messages import RequestSpec, RowDigest, decode_plan, encode
+from ray_runtime.reconcile import BookkeepingMismatch, Mismatch, audit
 from ray_runtime.request import Request, hash_extend, prefix_hash
-from ray_runtime.sampling_params import SamplingParams
+from ray_runtime.sampling_params import RequestOutputKind, SamplingParams
 from ray_runtime.scheduler import Expectation, Scheduler
 
 EOS = 2
 
 
 # ---- the queue ---------------------------------------------------------------------------
+# The measured loop is EngineCore.step() itself (schedule, encode, send, read the replies,
+# audit, commit, collect the finished, report deltas) over EchoRanks (no model: ranks that
+# keep their bookkeeping from the plans and answer with digests and one token per sampling
+# request); the echo's own time (being the ranks) is taken out.
 
-def _queued_engine(num_waiting: int, seed: int = 0) -> Scheduler:
+def _core(max_num_seqs: int, num_kv_blocks: int, block_size: int, **kw) -> tuple[EngineCore, EchoRanks]:
+    """PP=1 with the default async scheduling: two steps in flight, placeholders on."""
+    cfg = EngineConfig(model="(none: EchoRanks)", max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=256, num_kv_blocks=num_kv_blocks,
+                       block_size=block_size, max_model_len=256, disable_log_stats=True,
+                       on_mismatch="raise", **kw)
+    echo = EchoRanks()
+    return EngineCore(cfg, echo, num_kv_blocks=num_kv_blocks, max_model_len=256,
+                      eos_token_ids=[EOS]), echo
+
+
+def _queued_engine(num_waiting: int, seed: int = 0) -> tuple[EngineCore, EchoRanks]:
     """4 running requests in steady decode, finishing at different steps and replaced from
     a queue of num_waiting requests that max_num_seqs keeps waiting."""
     rng = random.Random(seed)
-    s = Scheduler(max_num_seqs=4, max_num_batched_tokens=256, num_kv_blocks=64, block_size=16,
-                  max_model_len=256)
+    core, echo = _core(max_num_seqs=4, num_kv_blocks=64, block_size=16)
     for i in range(4 + num_waiting):
         sp = SamplingParams(max_tokens=rng.randint(30, 90), temperature=0.0, ignore_eos=True)
-        s.add_request(Request(f"r{i}", [3 + (i + j) % 500 for j in range(16)], sp,
-                              frozenset({EOS}), i))
-    return s
+        core.add_request(RequestSpec(f"r{i}", [3 + (i + j) % 500 for j in range(16)], sp))
+    return core, echo
 
 
-def _step(s: Scheduler) -> tuple[float, int]:
-    """One driver step (schedule, commit every sample, collect the finished): its time
-    without building the sampler output, and how many requests finished."""
+def _step(engine: tuple[EngineCore, EchoRanks]) -> tuple[float, int]:
+    """One EngineCore.step(): its time less the echo ranks' own, and how many requests
+    finished (were reported finished)."""
+    core, echo = engine
+    rank_s = echo.rank_s
     t0 = time.perf_counter()
-    rec = s.schedule()
-    t1 = time.perf_counter()
-    ids = [r for r in rec.plan.scheduled_req_ids if r in rec.sampling]
-    out = SamplerOutput(step_id=rec.plan.step_id, req_ids=ids,
-                        incarnations=[rec.expected[r].incarnation for r in ids],
-                        sampled_token_ids=[[7] for _ in ids])
-    t2 = time.perf_counter()
-    s.update_from_output(rec, out)
-    done = s.pop_finished()
-    t3 = time.perf_counter()
-    return (t1 - t0) + (t3 - t2), len(done)
+    deltas = core.step()
+    dt = time.perf_counter() - t0 - (echo.rank_s - rank_s)
+    return dt, sum(d.finished for d in deltas)
 
 
 def _median_step_times(steps: int = 200, warmup: int = 10) -> tuple[float, float, int]:
@@ -67,6 +77,7 @@ def _median_step_times(steps: int = 200, warmup: int = 10) -> tuple[float, float
         dt, n = _step(long_)
         t_long.append(dt)
         finished += n
+    assert long_[0].stats()["bookkeeping_mismatches"] == 0
     return float(np.median(t_short)), float(np.median(t_long)), finished
 
 
@@ -80,34 +91,65 @@ def test_20000_queued_requests_cost_no_more_per_step_than_500():
                 f"{1e6 * short:.1f} us: {long_ / short:.2f}x (limit 1.5x)")
 
 
-def test_pop_finished_returns_each_finished_request_once_in_the_order_added():
-    s = Scheduler(max_num_seqs=3, max_num_batched_tokens=64, num_kv_blocks=64, block_size=4,
-                  max_model_len=256)
-    budgets = {"a": 5, "b": 2, "c": 3, "d": 4, "e": 1}
-    for i, (rid, m) in enumerate(budgets.items()):
-        s.add_request(Request(rid, [5, 6, 7], SamplingParams(max_tokens=m, ignore_eos=True),
-                              frozenset({EOS}), i))
-    s.abort_request("d")  # waiting
-    assert [r.req_id for r in s.pop_finished()] == ["d"]
-    assert s.pop_finished() == []
-    finished = []
-    for _ in range(20):
-        if not s.has_unfinished():
+def test_finished_requests_are_reported_once_in_the_order_added():
+    """EngineCore.step() reports each finished request once, in the order the requests were
+    added (not the order they finished or were aborted in), and frees everything: aborted
+    while waiting, aborted while running with a step in flight, and finished by length."""
+    core, _echo = _core(max_num_seqs=3, num_kv_blocks=64, block_size=4)
+    budgets = {"a": 5, "b": 2, "c": 3, "d": 4, "e": 1, "f": 2}
+    for rid, m in budgets.items():
+        core.add_request(RequestSpec(rid, [5, 6, 7], SamplingParams(
+            max_tokens=m, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)))
+    core.abort(["f", "d"])  # both waiting; aborted in the reverse of the order added
+    first = core.step()
+    assert [(d.req_id, d.finish_reason) for d in first] == [("d", "abort"), ("f", "abort")]
+    finished = {d.req_id: d for d in first}
+    aborted_in_flight = False
+    for _ in range(40):
+        if not core.has_work():
             break
-        rec = s.schedule()
-        if "a" in rec.expected and s.requests["a"].num_output_tokens == 1:
-            s.abort_request("a")  # running, with a step in flight
-        ids = [r for r in rec.plan.scheduled_req_ids if r in rec.sampling]
-        s.update_from_output(rec, SamplerOutput(
-            step_id=rec.plan.step_id, req_ids=ids,
-            incarnations=[rec.expected[r].incarnation for r in ids],
-            sampled_token_ids=[[9] for _ in ids]))
-        done = s.pop_finished()
-        assert [r.req_id for r in done] == sorted(r.req_id for r in done)  # added in abc order
-        assert all(r.is_finished and r.req_id not in s.requests for r in done)
-        finished += [r.req_id for r in done]
-    assert sorted(finished) == ["a", "b", "c", "e"] and len(set(finished)) == 4
+        a = core.scheduler.requests.get("a")
+        if a is not None and a.num_output_tokens == 1 and core.rank_view() is None:
+            core.abort(["a"])  # running, with a step in flight
+            aborted_in_flight = True
+        done = core.step()
+        ids = [d.req_id for d in done]
+        assert all(d.finished for d in done)  # FINAL_ONLY: one delta per request
+        assert ids == sorted(ids)  # added in abc order
+        assert not set(ids) & set(finished), f"reported twice: {set(ids) & set(finished)}"
+        assert all(r not in core.scheduler.requests for r in ids)
+        finished.update((d.req_id, d) for d in done)
+    assert aborted_in_flight
+    assert sorted(finished) == sorted(budgets)
+    assert {r: d.finish_reason for r, d in finished.items()} == {
+        "a": "abort", "b": "length", "c": "length", "d": "abort", "e": "length", "f": "abort"}
+    assert len(finished["a"].new_token_ids) == 1
+    assert all(len(finished[r].new_token_ids) == budgets[r] for r in "bce")
+    s = core.scheduler
     assert s.requests == {} and not s.running and s.blocks.num_free_blocks == 64
+    assert not core.has_work() and core.stats()["bookkeeping_mismatches"] == 0
+
+
+def test_echo_ranks_audit_catches_a_plan_that_changed_a_token():
+    """The echo's digests come from its own reading of the plans, not from the driver's
+    expectations: a token changed on the way to the ranks is a mismatch."""
+    core, echo = _core(max_num_seqs=4, num_kv_blocks=64, block_size=16)
+    for i in range(4):
+        core.add_request(RequestSpec(f"r{i}", [3 + i, 4, 5], SamplingParams(
+            max_tokens=20, ignore_eos=True)))
+    send = echo.send_plan
+
+    def corrupting(data: bytes) -> None:
+        plan = decode_plan(data)
+        for c in plan.cached_reqs:
+            if c.new_token_ids:
+                c.new_token_ids = [t + 1 for t in c.new_token_ids]
+        send(encode(plan))
+
+    echo.send_plan = corrupting
+    with pytest.raises(BookkeepingMismatch, match="token_hash"):
+        for _ in range(10):
+            core.step()
 
 
 # ---- the O(1) hash of a committed token ----------------------------------------------------
