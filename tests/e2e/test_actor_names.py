@@ -50,7 +50,8 @@ def test_a_dead_driver_fails_fast_and_shutdown_does_not_raise(ray_cluster, tiny_
 
     llm = LLM(tiny_model("llama"), pipeline_parallel_size=2, num_kv_blocks=16, max_model_len=128)
     ray.kill(ray.get_actor(f"ray_pp-{llm.info['engine_id']}-driver"))
-    with pytest.raises(ray.exceptions.RayActorError):
+    with pytest.raises(RuntimeError, match="driver actor died") as err:
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2))
+    assert isinstance(err.value.__cause__, ray.exceptions.RayActorError)
     llm.shutdown()  # must not raise
     assert llm.final_stats is None
