@@ -157,6 +157,8 @@ class Driver:
                     chan.recv(timeout_s=min(self.config.step_timeout_s, DRAIN_TIMEOUT_S))
                 except (TimeoutError, ChannelClosed) as e:
                     self._broken = str(e)
+        from ray_runtime.link import reset_link  # a failed step leaves the link out of step
+        self._broken = reset_link(self.stages, self.config, self._broken)
         aborted = self.scheduler.pop_finished()
         if self.metrics is not None:
             self.metrics.on_finished(aborted, time.time())
