@@ -135,8 +135,10 @@ class StageRunner:
         """Join the inter-stage link through the rendezvous store (stages/transport.py); a
         transfer that waits longer than step_timeout_s fails."""
         if self.config.pipeline_parallel_size > 1:
-            self.transport = StageTransport.connect(self.rank, self.config.pipeline_parallel_size,
-                                                    self.device, store, self.config.step_timeout_s)
+            cfg = self.config
+            self.transport = StageTransport.connect(
+                self.rank, cfg.pipeline_parallel_size, self.device, store, cfg.step_timeout_s,
+                self.spec.hidden_size, self.dtype)
             self.link_generation += 1
 
     def close_transport(self) -> None:
@@ -193,8 +195,7 @@ class StageRunner:
                 x = x.clone()  # the staging buffer's view stays as staged
                 x[inputs.device.patch_index] = self.last.last_sampled[inputs.device.patch_slot]
         else:
-            x = self.transport.recv_from_prev(plan.step_id, inputs.num_tokens,
-                                              self.spec.hidden_size, self.dtype)
+            x = self.transport.recv_from_prev(plan.step_id, inputs.num_tokens)
         recv_done = time.time()
         hidden = self._forward(x, inputs.meta)
         # While the device runs the step: the digests of the rows as the plan left them.

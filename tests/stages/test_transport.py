@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from stages.transport import (StageTransport, StepMismatch, UpstreamFailed, connect_rendezvous,
-                              open_rendezvous)
+from stages.transport import (LinkError, StageTransport, StepMismatch, UpstreamFailed,
+                              connect_rendezvous, open_rendezvous)
 
-HIDDEN = 8
+HIDDEN = 8  # float32: 32-byte rows, the header's size
+INLINE = 4  # rows a step's message carries inline in these tests; more travel apart
 
 
 def listening_addresses(port: int) -> list[str]:
@@ -38,16 +40,16 @@ def listening_addresses(port: int) -> list[str]:
     return found
 
 
-@pytest.fixture
-def link():
-    """(rank 0's transport, rank 1's) over a fresh rendezvous on 127.0.0.1, 3 s timeout."""
+def make_pair(timeout_s: float, inline_rows: int) -> list[StageTransport]:
+    """(rank 0's transport, rank 1's) over a fresh rendezvous on 127.0.0.1. inline_rows=0:
+    every step's activations travel apart from its header, as on GPU (here over gloo)."""
     master, port = open_rendezvous("127.0.0.1")
     stores = [master, connect_rendezvous("127.0.0.1", port)]
     groups = [None, None]
 
     def join(rank):
         groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("t", stores[rank]), rank, 2,
-                                             timedelta(seconds=3))
+                                             timedelta(seconds=timeout_s))
 
     threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
     for t in threads:
@@ -55,7 +57,13 @@ def link():
     for t in threads:
         t.join(30)
     assert all(g is not None for g in groups), "the gloo group did not form"
-    pair = [StageTransport(r, 2, "cpu", groups[r]) for r in range(2)]
+    return [StageTransport(r, 2, "cpu", groups[r], HIDDEN, torch.float32,
+                           inline_bytes=inline_rows * HIDDEN * 4) for r in range(2)]
+
+
+@pytest.fixture(params=[INLINE, 0], ids=["cpu", "gpu_format"])
+def link(request):
+    pair = make_pair(timeout_s=5.0, inline_rows=request.param)
     yield pair
     for t in pair:
         t.close()
@@ -66,10 +74,11 @@ def acts(step: int, num_tokens: int) -> torch.Tensor:
 
 
 def test_tagged_transfers_arrive_in_order(link):
+    """Inline (up to INLINE rows) and apart from the header (more), mixed."""
     sender, receiver = link
-    for step, n in ((3, 5), (4, 1), (5, 7)):
+    for step, n in ((3, 5), (4, 1), (5, INLINE), (6, 9), (7, 2)):
         sender.send_to_next(step, acts(step, n))
-        got = receiver.recv_from_prev(step, n, HIDDEN, torch.float32)
+        got = receiver.recv_from_prev(step, n)
         assert torch.equal(got, acts(step, n))
     sender.wait_sends()
 
@@ -78,12 +87,12 @@ def test_another_steps_activations_are_refused(link):
     sender, receiver = link
     sender.send_to_next(6, acts(6, 4))  # a step the receiver never took (it failed it)
     with pytest.raises(StepMismatch) as err:
-        receiver.recv_from_prev(7, 3, HIDDEN, torch.float32)
+        receiver.recv_from_prev(7, 3)
     msg = str(err.value)
     assert "rank 1 expected step 7" in msg and "rank 0 sent step 6" in msg, msg
     # The stale payload was received whole: the link is aligned, the next step goes through.
     sender.send_to_next(7, acts(7, 3))
-    assert torch.equal(receiver.recv_from_prev(7, 3, HIDDEN, torch.float32), acts(7, 3))
+    assert torch.equal(receiver.recv_from_prev(7, 3), acts(7, 3))
 
 
 def test_another_shape_is_refused_not_aborted(link):
@@ -93,28 +102,48 @@ def test_another_shape_is_refused_not_aborted(link):
     sender.send_to_next(9, acts(9, 6))
     with pytest.raises(StepMismatch, match=r"expected step 9's activations \(2 tokens x 8\).*"
                                            r"sent step 9's \(6 tokens x 8\)"):
-        receiver.recv_from_prev(9, 2, HIDDEN, torch.float32)
+        receiver.recv_from_prev(9, 2)
     sender.send_to_next(10, acts(10, 2))
-    assert torch.equal(receiver.recv_from_prev(10, 2, HIDDEN, torch.float32), acts(10, 2))
+    assert torch.equal(receiver.recv_from_prev(10, 2), acts(10, 2))
 
 
 def test_a_failed_step_fails_the_next_rank_at_once(link):
     sender, receiver = link
     sender.send_failure(11)
     with pytest.raises(UpstreamFailed, match="rank 1: rank 0 failed step 11"):
-        receiver.recv_from_prev(11, 2, HIDDEN, torch.float32)
+        receiver.recv_from_prev(11, 2)
     # A step whose activations already left sends no failure header after them.
     sender.send_to_next(12, acts(12, 2))
     sender.send_failure(12)
-    assert torch.equal(receiver.recv_from_prev(12, 2, HIDDEN, torch.float32), acts(12, 2))
+    assert torch.equal(receiver.recv_from_prev(12, 2), acts(12, 2))
     sender.send_to_next(13, acts(13, 1))
-    assert torch.equal(receiver.recv_from_prev(13, 1, HIDDEN, torch.float32), acts(13, 1))
+    assert torch.equal(receiver.recv_from_prev(13, 1), acts(13, 1))
 
 
-def test_a_silent_neighbour_times_out_within_the_group_timeout(link):
-    _, receiver = link
+def test_a_refused_large_step_leaves_the_link_aligned(link):
+    """A stale step whose activations travelled apart from its header is received whole
+    before it is refused: the next step's header is the next message."""
+    sender, receiver = link
+    sender.send_to_next(20, acts(20, 9))
+    with pytest.raises(StepMismatch, match="expected step 21's .* sent step 20's"):
+        receiver.recv_from_prev(21, 2)
+    sender.send_to_next(21, acts(21, 2))
+    assert torch.equal(receiver.recv_from_prev(21, 2), acts(21, 2))
+
+
+def test_wrong_width_is_refused_before_sending(link):
+    sender, _ = link
+    with pytest.raises(LinkError, match="step 14's activations have 9 columns; the link "
+                                        "carries 8"):
+        sender.send_to_next(14, torch.zeros(2, HIDDEN + 1))
+
+
+def test_a_silent_neighbour_times_out_within_the_group_timeout():
+    _, receiver = make_pair(timeout_s=1.0, inline_rows=INLINE)
+    t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="[Tt]imed out"):
-        receiver.recv_from_prev(1, 2, HIDDEN, torch.float32)
+        receiver.recv_from_prev(1, 2)
+    assert time.monotonic() - t0 < 5.0
 
 
 def test_rendezvous_store_listens_on_the_given_address_only():
