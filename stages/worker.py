@@ -22,6 +22,7 @@ class StageWorker:
         self.runner = StageRunner(config, rank, layer_range, max_model_len)
         self.loop: Optional[StepLoop] = None
         self._store = None  # rank 0: the rendezvous store opened for the next init_transport
+        self._rendezvous: Optional[tuple[str, int]] = None  # rank 0: where it listens
 
     def __repr__(self) -> str:
         """Ray shows it on the dashboard's Actors page and before this actor's log lines."""
@@ -45,6 +46,7 @@ class StageWorker:
 
         host = ray.util.get_node_ip_address()
         self._store, port = open_rendezvous(host)
+        self._rendezvous = (host, port)
         return host, port
 
     def init_transport(self, host: str, port: int) -> None:
@@ -58,9 +60,10 @@ class StageWorker:
         """Leave the link (the driver resets it after a failed step; no step is running)."""
         self.runner.close_transport()
 
-    def link_generation(self) -> int:
-        """How many times this rank has joined the link (tests: a reset happened)."""
-        return self.runner.link_generation
+    def link_info(self) -> dict:
+        """Tests: how many times this rank has joined the link, and (rank 0) where its
+        latest rendezvous store listens."""
+        return {"generation": self.runner.link_generation, "rendezvous": self._rendezvous}
 
     def kv_block_capacity(self) -> int:
         return self.runner.kv_block_capacity()

@@ -18,6 +18,7 @@ from ray_runtime.cluster import stage_actor_name
 from ray_runtime.config import stage_layer_ranges
 from tests.conftest import stress_workload
 from tests.reference import assert_matches, hf_greedy
+from tests.stages.test_transport import listening_addresses
 
 STEP_TIMEOUT_S = 20.0  # a hang would fail the call within this, and the bounds below catch it
 BOUND_S = 10.0  # a failing call, and the call after it, take well under this
@@ -48,11 +49,16 @@ def engines(ray_cluster, tiny_model):
         llm.shutdown()
 
 
-def link_generations(llm: LLM, pp: int) -> list[int]:
-    """How many times each stage has joined the link."""
+def link_infos(llm: LLM, pp: int) -> list[dict]:
+    """Each stage's link_info(): how many times it has joined the link, where rank 0's store
+    listens."""
     ranges = stage_layer_ranges(llm.info["num_layers"], pp, None)
     names = [stage_actor_name(llm.info["engine_id"], r, pp, lr) for r, lr in enumerate(ranges)]
-    return ray.get([ray.get_actor(n).link_generation.remote() for n in names])
+    return ray.get([ray.get_actor(n).link_info.remote() for n in names])
+
+
+def link_generations(llm: LLM, pp: int) -> list[int]:
+    return [info["generation"] for info in link_infos(llm, pp)]
 
 
 @pytest.mark.parametrize("pp,rank", CASES)
@@ -83,3 +89,12 @@ def test_stage_error_then_reference_outputs(engines, pp, rank):
                        f"request {i} after a fault on rank {rank} of {pp}")
     llm.check()
     assert llm.stats()["bookkeeping_mismatches"] == 0
+
+
+def test_rendezvous_store_listens_on_the_node_address(engines):
+    """Rank 0's store (the stages run on this machine) listens on the node's address that
+    it handed to the other ranks, not on every interface."""
+    _, llms = engines
+    host, port = link_infos(llms[2], 2)[0]["rendezvous"]
+    assert host == ray.util.get_node_ip_address()
+    assert listening_addresses(port) == [host]
