@@ -226,9 +226,8 @@ def start_stages(config: EngineConfig, pg, layer_ranges: list[tuple[int, int]],
         logger.info("stage %d: layers %s on node %s (%s, pid %d, GPUs %s)", info["rank"],
                     info["layers"], info["node_id"][:8], info["node_ip"], info["pid"],
                     info["gpu_ids"] or "none")
-    if config.pipeline_parallel_size > 1:
-        host, port = ray.get(stages[0].rendezvous_address.remote())
-        ray.get([s.init_transport.remote(host, port) for s in stages])
+    from ray_runtime.link import form_link  # the inter-stage process group: ray_runtime/link.py
+    form_link(stages, config)
     return stages, infos
 
 

@@ -18,6 +18,7 @@ from ray_runtime.cluster import create_placement_group, open_channels, start_sta
 from ray_runtime.config import EngineConfig, stage_layer_ranges
 from ray_runtime.engine_core import EngineCore
 from ray_runtime.engine_loop import EngineLoop
+from ray_runtime.link import reset_link
 from ray_runtime.messages import RequestDelta, RequestSpec
 from ray_runtime.ranks import ChannelRanks
 from stages.model_spec import ModelSpec
@@ -51,7 +52,8 @@ class Driver:
         self.core = EngineCore(config, ranks, num_kv_blocks=self.num_kv_blocks,
                                max_model_len=self.max_model_len,
                                eos_token_ids=self.spec.eos_token_ids, engine_id=self.engine_id,
-                               replace_ranks=self._replace_ranks)
+                               replace_ranks=self._replace_ranks,
+                               reset_link=lambda: reset_link(self.stages, config, None))
         self.loop = EngineLoop(self.core, on_idle=self._write_trace)
 
     def __repr__(self) -> str:

@@ -43,7 +43,8 @@ def streams(spec_sampling) -> bool:
 class EngineCore:
     def __init__(self, config: EngineConfig, ranks: RankLink, *, num_kv_blocks: int,
                  max_model_len: int, eos_token_ids, engine_id: str = "local",
-                 replace_ranks: Optional[Callable[[BaseException], RankLink]] = None) -> None:
+                 replace_ranks: Optional[Callable[[BaseException], RankLink]] = None,
+                 reset_link: Optional[Callable[[], Optional[str]]] = None) -> None:
         self.config = config
         self.ranks = ranks
         self.num_kv_blocks = num_kv_blocks
@@ -80,6 +81,9 @@ class EngineCore:
         self.last_progress = time.monotonic()  # when a step last completed (check_health)
         # Stage recovery: a callable that tears the ranks down and returns new, empty ones.
         self.replace_ranks = replace_ranks
+        # After a rank's error: re-form the inter-stage link (its transfers are out of step);
+        # returns why it could not, or None (ray_runtime/link.py).
+        self.reset_link = reset_link
         self.num_stage_restarts = 0
         self.recovery_s: list[float] = []  # how long each replacement took
 
@@ -143,6 +147,8 @@ class EngineCore:
             sched.abort_request(req_id)
         if self.ranks.broken is None:
             self.ranks.drain(len(self._inflight), broken=error)
+        if self.ranks.broken is None and self.reset_link is not None:
+            self.ranks.broken = self.reset_link()  # every plan is answered: no step runs
         self._inflight.clear()
         done = sched.pop_finished()
         if self.metrics is not None:

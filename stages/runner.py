@@ -6,6 +6,7 @@ a StageStepResult. Plain Python, so tests can drive it without Ray.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import Optional
@@ -28,6 +29,7 @@ from stages.step_types import DeviceInputs, LaunchedStep, StepInputs
 from stages.transport import StageTransport
 
 _EMPTY = np.zeros(0, np.int64)
+logger = logging.getLogger(__name__)
 
 
 class StageRunner:
@@ -50,6 +52,7 @@ class StageRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: Optional[DecodeGraphs] = None  # cuda, unless enforce_eager
         self.transport: Optional[StageTransport] = None
+        self.link_generation = 0  # how many times this rank has joined the link
         self.fault_hook = None  # tests only: called with the batch after each plan is applied
         self._gpu_spans: deque = deque()  # (start, end) events of steps not yet accounted
         self.staging = InputStaging(self.device)
@@ -128,10 +131,22 @@ class StageRunner:
             return self.graphs.run(x, meta)
         return self.model(x, meta, self.kv_caches)
 
-    def init_transport(self, host: str, port: int) -> None:
+    def init_transport(self, store) -> None:
+        """Join the inter-stage link through the rendezvous store (stages/transport.py); a
+        transfer that waits longer than step_timeout_s fails."""
         if self.config.pipeline_parallel_size > 1:
-            self.transport = StageTransport(self.rank, self.config.pipeline_parallel_size,
-                                            self.device, host, port)
+            cfg = self.config
+            self.transport = StageTransport.connect(
+                self.rank, cfg.pipeline_parallel_size, self.device, store, cfg.step_timeout_s,
+                self.spec.hidden_size, self.dtype)
+            self.link_generation += 1
+
+    def close_transport(self) -> None:
+        """Leave the link, dropping what failed steps left in flight (the driver resets it
+        after a failed step: ray_runtime/link.py)."""
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
 
     # ---- one step: launch, then finish ---------------------------------------------------
     # The step loop launches step N+1 before it finishes step N when N+1's plan is already
@@ -142,8 +157,26 @@ class StageRunner:
         """One step, serially (tests, benchmarks): launch and finish at once."""
         return self.finish(self.launch(plan))
 
-    @torch.inference_mode()
     def launch(self, plan: StepPlan) -> "LaunchedStep":
+        try:
+            return self._launch(plan)
+        except BaseException:
+            self._fail_downstream(plan.step_id)
+            raise
+
+    def _fail_downstream(self, step_id: int) -> None:
+        """A failed step still answers the next rank (a failure header instead of the
+        activations), so it fails at once instead of waiting out a timeout."""
+        if self.transport is None or self.is_last:
+            return
+        try:
+            self.transport.send_failure(step_id)
+        except Exception as e:  # noqa: BLE001 - the step's own error is the one to report
+            logger.warning("rank %d: could not tell rank %d that step %d failed: %s",
+                           self.rank, self.rank + 1, step_id, e)
+
+    @torch.inference_mode()
+    def _launch(self, plan: StepPlan) -> "LaunchedStep":
         start = time.time()
         if self.drafter is not None:
             for req_id in plan.removed_req_ids:
@@ -162,7 +195,7 @@ class StageRunner:
                 x = x.clone()  # the staging buffer's view stays as staged
                 x[inputs.device.patch_index] = self.last.last_sampled[inputs.device.patch_slot]
         else:
-            x = self.transport.recv_from_prev(inputs.num_tokens, self.spec.hidden_size, self.dtype)
+            x = self.transport.recv_from_prev(plan.step_id, inputs.num_tokens)
         recv_done = time.time()
         hidden = self._forward(x, inputs.meta)
         # While the device runs the step: the digests of the rows as the plan left them.
@@ -175,7 +208,7 @@ class StageRunner:
         if self.is_last:
             self.last.sample_step(plan.step_id, hidden, inputs, step)
         else:
-            self.transport.send_to_next(hidden)
+            self.transport.send_to_next(plan.step_id, hidden)
         step.gpu_end = self._record_event()
         step.compute_done = time.time()
         return step
@@ -283,6 +316,4 @@ class StageRunner:
         self.device_table.check()
 
     def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-            self.transport = None
+        self.close_transport()

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 from ray_runtime.config import EngineConfig
 from stages.runner import StageRunner
 from stages.step_loop import StepLoop
-from stages.transport import pick_rendezvous_address
+from stages.transport import connect_rendezvous, open_rendezvous
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,8 @@ class StageWorker:
         self.log.info("layers %d-%d of %s loaded (pid %d)", layer_range[0], layer_range[1] - 1,
                       config.model, os.getpid())
         self.loop: Optional[StepLoop] = None
+        self._store = None  # rank 0: the rendezvous store opened for the next init_transport
+        self._rendezvous: Optional[tuple[str, int]] = None  # rank 0: where it listens
 
     def __repr__(self) -> str:
         """Ray shows it on the dashboard's Actors page and before this actor's log lines."""
@@ -79,10 +81,30 @@ class StageWorker:
                 "layers": list(self.runner.model.layer_range)}
 
     def rendezvous_address(self) -> tuple[str, int]:
-        return pick_rendezvous_address()
+        """Rank 0: open a fresh rendezvous store for the link, listening on this node's
+        address only, and return where it listens (ray_runtime/link.py hands it on)."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        self._store, port = open_rendezvous(host)
+        self._rendezvous = (host, port)
+        return host, port
 
     def init_transport(self, host: str, port: int) -> None:
-        self.runner.init_transport(host, port)
+        """Join the link through rank 0's store (rank 0 through its own); every rank is
+        called at once, and each returns when all have joined."""
+        store = self._store if self.runner.rank == 0 else connect_rendezvous(host, port)
+        self._store = None  # the process group keeps what it needs
+        self.runner.init_transport(store)
+
+    def close_transport(self) -> None:
+        """Leave the link (the driver resets it after a failed step; no step is running)."""
+        self.runner.close_transport()
+
+    def link_info(self) -> dict:
+        """Tests: how many times this rank has joined the link, and (rank 0) where its
+        latest rendezvous store listens."""
+        return {"generation": self.runner.link_generation, "rendezvous": self._rendezvous}
 
     def kv_block_capacity(self) -> int:
         return self.runner.kv_block_capacity()
