@@ -53,18 +53,19 @@ def percentiles(xs: list[float]) -> dict:
             "p99": round(1e3 * q(0.99), 3)}
 
 
-async def one_request(client, url: str, model: str, prompt: list[int], output_len: int) -> dict:
+async def one_request(session, url: str, model: str, prompt: list[int], output_len: int) -> dict:
     """One streamed completion: token counts and times of its chunks."""
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "return_token_ids": True}
     t0 = time.perf_counter()
     times, counts, error = [], [], None
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}"
+        async with session.post(url + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                error = f"HTTP {r.status}: {(await r.text())[:300]}"
             else:
-                async for line in r.aiter_lines():
+                async for raw in r.content:  # one SSE line at a time
+                    line = raw.decode().strip()
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
@@ -83,15 +84,16 @@ async def one_request(client, url: str, model: str, prompt: list[int], output_le
 
 async def run_rate(url: str, model: str, prompts: list[list[int]], output_len: int,
                    rate: float, seed: int) -> dict:
-    import httpx
+    import aiohttp  # Ray Serve's own dependency
 
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts))
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=len(prompts) + 8)
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=3600)) as session:
         tasks = []
         t0 = time.perf_counter()
         for p in prompts:
-            tasks.append(asyncio.create_task(one_request(client, url, model, p, output_len)))
+            tasks.append(asyncio.create_task(one_request(session, url, model, p, output_len)))
             if rate != math.inf:
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
