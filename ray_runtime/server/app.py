@@ -76,8 +76,10 @@ class OpenAIServer:
             return _error(e)
         except ValueError as e:  # the engine's own checks (InputTypeError is one too)
             return _error(from_engine_error(e, {}, "prompt"))
-        except RequestFailed as e:
-            return JSONResponse(error_body(str(e), None, 500, "InternalServerError"), 500)
+        except (RequestFailed, RuntimeError) as e:  # the engine failed the request, or is dead
+            logger.error("%s failed: %s: %s", request.url.path, type(e).__name__, e)
+            return JSONResponse(error_body(f"{type(e).__name__}: {e}", None, 500,
+                                           "InternalServerError"), 500)
         if isinstance(result, dict):
             return JSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream")

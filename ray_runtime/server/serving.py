@@ -19,7 +19,6 @@ import logging
 import uuid
 from typing import AsyncIterator, Union
 
-from ray_runtime.output_processor import RequestFailed
 from ray_runtime.outputs import RequestOutput
 from ray_runtime.sampling_params import SamplingParams
 from ray_runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, RequestError,
@@ -116,12 +115,14 @@ async def _stream(engine, responder: Responder, prompts: list[dict], sp: Samplin
                     yield sse(chunk)
         if include_usage:
             yield sse(responder.usage_chunk())
-    except RequestFailed as e:  # the engine failed the request: say so in the stream
-        yield sse(error_body(str(e), None, 500, "InternalServerError"))
+    except Exception as e:  # noqa: BLE001 - the engine failed the request (RequestFailed)
+        # or is gone: the status line has been sent, so the stream says it, then ends
+        logger.error("stream %s failed: %s: %s", responder.id, type(e).__name__, e)
+        yield sse(error_body(f"{type(e).__name__}: {e}", None, 500, "InternalServerError"))
     yield SSE_DONE
 
 
-async def run(engine, model_name: str, prompts: list[dict], sp: SamplingParams,
+async def run(engine, prompts: list[dict], sp: SamplingParams,
               responder: Responder, stream: bool, include_usage: bool
               ) -> Union[dict, AsyncIterator[str]]:
     """The response body (non-streamed), or the SSE text chunks of the stream."""
@@ -145,7 +146,7 @@ async def completion(engine, model_name: str, req: CompletionRequest):
     prompts = [prepare(engine, i, p, sp, param) for i, p in enumerate(raw)]
     responder = Responder(new_id("cmpl"), model_name, chat=False, n=sp.n, top_k=req.logprobs,
                           return_token_ids=req.return_token_ids)
-    return await run(engine, model_name, prompts, sp, responder, req.stream, req.include_usage)
+    return await run(engine, prompts, sp, responder, req.stream, req.include_usage)
 
 
 async def chat(engine, model_name: str, req: ChatCompletionRequest):
@@ -163,4 +164,4 @@ async def chat(engine, model_name: str, req: ChatCompletionRequest):
     responder = Responder(new_id("chatcmpl"), model_name, chat=True, n=sp.n,
                           top_k=(req.top_logprobs or 0) if req.logprobs else None,
                           return_token_ids=req.return_token_ids)
-    return await run(engine, model_name, prompts, sp, responder, req.stream, req.include_usage)
+    return await run(engine, prompts, sp, responder, req.stream, req.include_usage)

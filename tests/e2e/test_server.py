@@ -215,20 +215,27 @@ def test_openai_client_raises_bad_request_error(server):
         server.client.completions.create(model=NAME, prompt="hi", top_p=7.0)
 
 
-def test_client_disconnect_mid_stream_aborts_the_request(server):
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_the_request(server, stream):
     before = _stats(server)
     max_tokens = MAX_MODEL_LEN - 10
     host, port = server.url.split("//")[1].split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     conn.request("POST", "/v1/completions", json.dumps({
         "prompt": list(range(3, 13)), "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True, "stream": True}), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 200
-    seen = 0
-    while seen < 2:  # two events, then hang up
-        if resp.fp.readline().startswith(b"data: "):
-            seen += 1
+        "ignore_eos": True, "stream": stream}), {"Content-Type": "application/json"})
+    if stream:
+        resp = conn.getresponse()
+        assert resp.status == 200
+        seen = 0
+        while seen < 2:  # two events, then hang up
+            if resp.fp.readline().startswith(b"data: "):
+                seen += 1
+    else:  # hang up while it runs
+        deadline = time.time() + 30
+        while _stats(server)["num_requests_running"] == 0:
+            assert time.time() < deadline, "the request never started"
+            time.sleep(0.05)
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     deadline = time.time() + 30
