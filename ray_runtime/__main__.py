@@ -209,6 +209,8 @@ def cmd_serve(args) -> int:
         from ray_runtime.demo_model import ensure_smollm2
 
         model = ensure_smollm2()
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"--model {model!r}: not a checkpoint folder (no config.json)")
     application = build_app({  # bad arguments raise here, before Ray starts
         "model": model, "pipeline_parallel_size": args.pipeline_parallel_size,
         "pp_layer_partition": args.pp_layer_partition, "device": args.device, "dtype": args.dtype,
