@@ -3,6 +3,7 @@
   python -m ray_runtime generate --model DIR --pipeline-parallel-size 2 \
       --input prompts.jsonl --output out.jsonl [--max-tokens N --temperature T ...]
   python -m ray_runtime demo [--pipeline-parallel-size 2]
+  python -m ray_runtime serve --model DIR --pipeline-parallel-size 2 [--host H --port 8000]
 
 Input lines are {"prompt": "..."} or {"prompt_token_ids": [...]}, optionally with
 "sampling_params": {...} overriding the flags for that line, and "messages": [...] (chat)
@@ -167,6 +168,54 @@ def _save_demo_result(args, cfg, n_req: int, n_out: int, elapsed: float, stats: 
         json.dump(record, f, indent=1)
 
 
+def cmd_serve(args) -> int:
+    """The OpenAI-compatible server (ray_runtime/server/app.py) on Ray Serve: join the
+    cluster at RAY_ADDRESS or start a local one, deploy, print the URL, block until SIGINT
+    or SIGTERM, then delete the app (and shut down Serve and Ray if it started them)."""
+    import ray
+    from ray import serve
+
+    from ray_runtime.server.app import build_app
+
+    model = args.model
+    if model is None:
+        from ray_runtime.demo_model import ensure_smollm2
+
+        model = ensure_smollm2()
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"--model {model!r}: not a checkpoint folder (no config.json)")
+    application = build_app({  # bad arguments raise here, before Ray starts
+        "model": model, "tokenizer": args.tokenizer, **engine_kwargs(args),
+        "served_model_name": args.served_model_name,
+        "max_ongoing_requests": args.max_ongoing_requests})
+    address = getattr(args, "address", None) or os.environ.get("RAY_ADDRESS")
+    started_ray = not address
+    if started_ray:  # a local cluster, whose workers import this package from here
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        ray.init(address="local", runtime_env={"env_vars": {"PYTHONPATH": root}})
+    else:  # join it (a `ray job submit` sets RAY_ADDRESS); leave it running after
+        ray.init(address=address)
+    _install_signal_handlers()
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(application, name=args.app_name, route_prefix="/")
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        print(f"serving {args.served_model_name or model} at http://{host}:{args.port}/v1 "
+              "(Ctrl-C or SIGTERM stops it)", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        signum = _signal_received[0] if _signal_received else signal.SIGINT
+        print(f"{signal.Signals(signum).name}: shutting the server down", file=sys.stderr)
+    finally:
+        serve.delete(args.app_name)  # its replica shuts its engine down
+        if started_ray or not serve.status().applications:
+            serve.shutdown()  # no other application uses this Serve instance
+        if started_ray:
+            ray.shutdown()
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ray_runtime")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -180,6 +229,14 @@ def main(argv=None) -> int:
     demo.set_defaults(pipeline_parallel_size=2)  # the demo shows the pipeline
     demo.add_argument("--max-tokens", type=int, default=96)
     demo.add_argument("--result-json", default=None, help="also write the figures here")
+    srv = sub.add_parser("serve", help="an OpenAI-compatible server on Ray Serve")
+    _engine_args(srv)
+    srv.add_argument("--host", default="0.0.0.0")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None, help="the API's model name (default: --model)")
+    srv.add_argument("--max-ongoing-requests", type=int, default=256,
+                     help="requests one replica takes at once (Ray Serve's max_ongoing_requests)")
+    srv.add_argument("--app-name", default="ray_pp", help="the Serve application's name")
     args = parser.parse_args(argv)
     # Our INFO lines (which cluster was joined, where the stages run) reach the terminal and
     # the job logs; other libraries stay at WARNING.
@@ -187,7 +244,7 @@ def main(argv=None) -> int:
     logging.getLogger("ray_runtime").setLevel(logging.INFO)
     _install_signal_handlers()
     try:
-        return cmd_generate(args) if args.command == "generate" else cmd_demo(args)
+        return {"generate": cmd_generate, "demo": cmd_demo, "serve": cmd_serve}[args.command](args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
