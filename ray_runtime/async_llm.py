@@ -57,9 +57,11 @@ class AsyncLLM(EngineClient):
         specs = self._register(self._processor, request_id, text, token_ids, sp)
         self._queues[request_id] = queue
         finished = False
+        add_ref = None
         try:
             self._ensure_handler()
-            await self._driver.add_requests.remote(specs)
+            add_ref = self._driver.add_requests.remote(specs)
+            await add_ref
             while not finished:
                 out = await queue.get()
                 finished = out.finished
@@ -69,8 +71,20 @@ class AsyncLLM(EngineClient):
             if not finished:  # the consumer went away (or the call failed): stop the request
                 ids = self._processor.engine_ids(request_id)
                 self._processor.forget(request_id)
-                if ids and self._dead is None:
-                    self._driver.abort.remote(ids)
+                if ids and self._dead is None and add_ref is not None:
+                    # The driver's threads do not keep call order: abort only once the add
+                    # has landed, or the abort could run first and the request run unseen.
+                    asyncio.get_running_loop().create_task(self._abort_after(add_ref, ids))
+
+    async def _abort_after(self, add_ref, ids: list[str]) -> None:
+        try:
+            await add_ref
+        except Exception:  # noqa: BLE001 - the add failed: nothing to abort
+            return
+        try:
+            await self._driver.abort.remote(ids)
+        except Exception:  # noqa: BLE001 - the engine is gone: nothing left to abort
+            pass
 
     async def abort(self, request_id: str) -> None:
         """Stop a request: its stream ends with finish_reason "abort", its KV blocks and rank

@@ -21,6 +21,8 @@ from ray_runtime.messages import RequestDelta, RequestSpec
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 1.0
+_MAX_EARLY_ABORTS = 4096
+_EARLY_ABORT_S = 5.0
 
 
 class EngineDeadError(RuntimeError):
@@ -36,6 +38,10 @@ class EngineLoop:
         self._out_cv = threading.Condition()
         self._outbox: list[RequestDelta] = []
         self._live: set[str] = set()  # ids added and not yet reported finished
+        # Aborts of ids not running, by arrival time: an abort that overtook its add (the
+        # actor's threads do not keep call order) is applied when the add comes, if within
+        # _EARLY_ABORT_S (a later add of a reused id is a new request). Bounded.
+        self._early_aborts: dict[str, float] = {}
         self._stopping = False
         self.dead: Optional[str] = None  # why the loop stopped stepping, if it did
         self.num_steps_run = 0
@@ -55,10 +61,20 @@ class EngineLoop:
                 raise ValueError(f"request_id {dup!r} is already in use by a running request")
             self._live.update(ids)
             self._inbox.append(("add", specs))
+            now = time.monotonic()
+            early = [i for i in ids if now - self._early_aborts.pop(i, -1e9) < _EARLY_ABORT_S]
+            if early:
+                self._inbox.append(("abort", early))
             self._cv.notify()
 
     def abort(self, req_ids: list[str]) -> None:
         with self._cv:
+            now = time.monotonic()
+            for i in req_ids:
+                if i not in self._live:
+                    self._early_aborts[i] = now
+            while len(self._early_aborts) > _MAX_EARLY_ABORTS:
+                del self._early_aborts[next(iter(self._early_aborts))]
             self._inbox.append(("abort", list(req_ids)))
             self._cv.notify()
 
