@@ -89,13 +89,15 @@ def main() -> None:
             outs = llm.generate(prompts, sp, use_tqdm=False)
             disturbed_s = time.perf_counter() - t0
             stats = llm.stats()
-            same = all(list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
-                       for a, b in zip(outs, ref))
+            equal = [list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+                     for a, b in zip(outs, ref)]
+            same = all(equal)
             rows.append({"repeat": rep, "undisturbed_s": round(clean_s, 3),
                          "disturbed_s": round(disturbed_s, 3),
                          "extra_s": round(disturbed_s - clean_s, 3),
                          "replacement_s": round(stats["stage_recovery_s"][-1], 3),
-                         "outputs_equal_undisturbed": same})
+                         "outputs_equal_undisturbed": same,
+                         "num_outputs_equal": sum(equal), "num_outputs": len(equal)})
             print(rows[-1], flush=True)
         assert llm.stats()["num_stage_restarts"] == args.repeats
     result = {"device_kind": args.device, "dtype": dtype, "pp": args.pp, "killed_rank": rank,

@@ -98,6 +98,44 @@ async def run_rate(url: str, model: str, prompts: list[list[int]], output_len: i
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
+    return summarize(results, wall, rate)
+
+
+async def one_request_direct(engine, prompt: list[int], output_len: int, rid: str) -> dict:
+    """--direct: one streamed request through AsyncLLM in this process (no HTTP)."""
+    from ray_runtime import RequestOutputKind, SamplingParams
+
+    sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True,
+                        output_kind=RequestOutputKind.DELTA, detokenize=False)
+    t0 = time.perf_counter()
+    times, counts, error = [], [], None
+    try:
+        async for out in engine.generate({"prompt_token_ids": prompt}, sp, rid):
+            n = len(out.outputs[0].token_ids)
+            if n:
+                times.append(time.perf_counter())
+                counts.append(n)
+    except Exception as e:  # noqa: BLE001 - counted as a failed request
+        error = f"{type(e).__name__}: {e}"
+    return {"start": t0, "end": time.perf_counter(), "times": times, "counts": counts,
+            "error": error}
+
+
+async def run_rate_direct(engine, prompts: list[list[int]], output_len: int, rate: float,
+                          seed: int) -> dict:
+    rng = random.Random(seed)
+    tasks = []
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        tasks.append(asyncio.create_task(one_request_direct(engine, p, output_len,
+                                                            f"{seed}-{i}")))
+        if rate != math.inf:
+            await asyncio.sleep(rng.expovariate(rate))
+    results = await asyncio.gather(*tasks)
+    return summarize(results, time.perf_counter() - t0, rate)
+
+
+def summarize(results: list[dict], wall: float, rate: float) -> dict:
     ok = [r for r in results if r["error"] is None and r["times"]]
     ttft = [r["times"][0] - r["start"] for r in ok]
     itl = [b - a for r in ok for a, b in zip(r["times"], r["times"][1:])]
@@ -106,7 +144,7 @@ async def run_rate(url: str, model: str, prompts: list[list[int]], output_len: i
     e2e = [r["end"] - r["start"] for r in ok]
     out_tokens = sum(sum(r["counts"]) for r in ok)
     errors = [r["error"] for r in results if r["error"] is not None]
-    return {"request_rate": "inf" if rate == math.inf else rate, "num_requests": len(prompts),
+    return {"request_rate": "inf" if rate == math.inf else rate, "num_requests": len(results),
             "completed": len(ok), "failed": len(results) - len(ok), "errors": errors[:3],
             "duration_s": round(wall, 3), "request_throughput": round(len(ok) / wall, 3),
             "output_tok_s": round(out_tokens / wall, 1), "output_tokens": out_tokens,
@@ -182,6 +220,8 @@ def main(argv=None) -> dict:
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--root", default="/tmp/ray_runtime_gpu")
     p.add_argument("--tag", default=None, help="results file serving_<tag>.json; default: the device")
+    p.add_argument("--direct", action="store_true",
+                   help="drive AsyncLLM in this process (no HTTP, no Ray Serve): the engine alone")
     p.add_argument("--save", action="store_true", help="write the JSON (also when $BENCH_OUT is set)")
     args = p.parse_args(argv)
     try:
@@ -204,7 +244,10 @@ def main(argv=None) -> dict:
                       "layers": cfg["num_hidden_layers"], "hidden": cfg["hidden_size"],
                       "vocab": cfg["vocab_size"], "dtype": args.dtype,
                       "weights": args.model or "random"}
-        url, model_name, started = start_server(args, model), "bench", True
+        if not args.direct:
+            url, model_name, started = start_server(args, model), "bench", True
+    if args.direct:
+        return run_direct(args, model, vocab, model_info)
     rng = random.Random(args.seed)
     rows = []
     try:
@@ -234,6 +277,53 @@ def main(argv=None) -> dict:
     tag = args.tag or ("cpu" if args.device == "cpu" else "gpu")
     payload = {"model": model_info, "workload": {
         "through": "the OpenAI-compatible server on Ray Serve (/v1/completions, stream)",
+        "request_rates": args.request_rates, "num_prompts": args.num_prompts,
+        "prompt_len": args.prompt_len, "output_len": args.output_len, "greedy": True,
+        "ignore_eos": True, "pp": args.pipeline_parallel_size, "device": args.device,
+        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "seed": args.seed}, "rows": rows}
+    if args.save or os.environ.get("BENCH_OUT"):
+        print("wrote", save(f"serving_{tag}", payload))
+    return payload
+
+
+def run_direct(args, model: str, vocab: int, model_info: dict) -> dict:
+    """--direct: the same load through AsyncLLM in this process, no HTTP and no Ray Serve."""
+    import ray
+
+    from bench.common import gpu_ray_env
+    from ray_runtime import AsyncLLM
+
+    ray.init(include_dashboard=False, runtime_env={"env_vars": gpu_ray_env()})
+    engine = AsyncLLM(model, pipeline_parallel_size=args.pipeline_parallel_size,
+                      device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens,
+                      max_model_len=args.prompt_len + args.output_len + 16)
+    rng = random.Random(args.seed)
+    rows = []
+
+    async def all_rates():
+        warm = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(2)]
+        await run_rate_direct(engine, warm, min(args.output_len, 4), math.inf, 10_000)
+        for i, rate in enumerate(rates):
+            prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)]
+                       for _ in range(args.num_prompts)]
+            row = await run_rate_direct(engine, prompts, args.output_len, rate, args.seed + i)
+            rows.append(row)
+            print(f"rate {row['request_rate']:>5}: {row['completed']}/{row['num_requests']} ok "
+                  f"in {row['duration_s']:.2f}s, {row['output_tok_s']:.1f} tok/s; TTFT p50 "
+                  f"{row['ttft_ms']['p50']} p99 {row['ttft_ms']['p99']} ms; ITL p50 "
+                  f"{row['itl_ms']['p50']} p99 {row['itl_ms']['p99']} ms", flush=True)
+
+    rates = [math.inf if r == "inf" else float(r) for r in args.request_rates]
+    try:
+        asyncio.run(all_rates())
+    finally:
+        engine.shutdown()
+        ray.shutdown()
+    tag = args.tag or ("cpu" if args.device == "cpu" else "gpu")
+    payload = {"model": model_info, "workload": {
+        "through": "AsyncLLM in process (--direct: no HTTP, no Ray Serve)",
         "request_rates": args.request_rates, "num_prompts": args.num_prompts,
         "prompt_len": args.prompt_len, "output_len": args.output_len, "greedy": True,
         "ignore_eos": True, "pp": args.pipeline_parallel_size, "device": args.device,
