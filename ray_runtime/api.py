@@ -63,7 +63,7 @@ class LLM(EngineClient):
         try:
             ray.get(driver.add_requests.remote(specs))
             while len(done) + len(failed) < len(order):
-                outs, aborts = processor.process(ray.get(driver.get_outputs.remote(POLL_S)))
+                outs, aborts = processor.process(self._poll(POLL_S))
                 if aborts:
                     driver.abort.remote(aborts)
                 for out in outs:
@@ -103,7 +103,7 @@ class LLM(EngineClient):
         deadline = time.monotonic() + timeout_s
         while waiting and time.monotonic() < deadline:
             try:
-                deltas = ray.get(self._driver.get_outputs.remote(0.5), timeout=10)
+                deltas = self._poll(0.5)
             except Exception:  # noqa: BLE001 - the engine is gone: nothing to drain
                 return
             waiting.difference_update(d.req_id for d in deltas if d.finished)

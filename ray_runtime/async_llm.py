@@ -114,8 +114,11 @@ class AsyncLLM(EngineClient):
         driver, processor = self._driver, self._processor
         try:
             while not self._closed:
-                deltas = await driver.get_outputs.remote(POLL_S)
+                # A poll cut short (this task cancelled) loses nothing: the next one
+                # acknowledges the same batch and gets its outputs again.
+                seq, deltas = await driver.get_outputs.remote(self._ack, POLL_S)
                 outs, aborts = processor.process(deltas)
+                self._ack = seq
                 if aborts:
                     driver.abort.remote(aborts)
                 for out in outs:

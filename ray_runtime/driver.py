@@ -120,8 +120,9 @@ class Driver:
     def abort(self, req_ids: list[str]) -> None:
         self.loop.abort(req_ids)
 
-    def get_outputs(self, timeout_s: float = 1.0) -> list[RequestDelta]:
-        return self.loop.get_outputs(timeout_s)
+    def get_outputs(self, ack: int, timeout_s: float = 1.0) -> tuple[int, list[RequestDelta]]:
+        """Deltas after batch `ack`, and the batch number to acknowledge next (engine_loop.py)."""
+        return self.loop.get_outputs(ack, timeout_s)
 
     def health(self) -> dict:
         return self.loop.health()

@@ -57,6 +57,9 @@ class EngineClient:
             Driver).options(name=driver_actor_name(engine_id)).remote(self.config, engine_id)
         self.info = ray.get(self._driver.info.remote())
         self._closed = False
+        # The last output batch taken from the driver (EngineLoop.get_outputs): one consumer
+        # per engine, which acknowledges what it has processed.
+        self._ack = 0
         self.final_stats: Optional[dict] = None  # stats() as they were at shutdown
 
 
@@ -105,6 +108,12 @@ class EngineClient:
         processor.add(request_id, text, token_ids, sp, ids, params)
         return [RequestSpec(req_id=e, prompt_token_ids=token_ids, sampling=p)
                 for e, p in zip(ids, params)]
+
+    def _poll(self, timeout_s: float) -> list:
+        """The driver's outputs since the last processed batch (blocking)."""
+        seq, deltas = ray.get(self._driver.get_outputs.remote(self._ack, timeout_s))
+        self._ack = seq
+        return deltas
 
     # ---- engine --------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -4,14 +4,17 @@ Requests, aborts and calls that must see the core between steps (check, fault ho
 from the actor's other threads through an inbox; the loop takes them at the top of every
 iteration, so the core is only ever touched by the loop thread. What the core reports leaves
 through an outbox that one consumer long-polls (`get_outputs`): each poll returns everything
-reported since the previous one, so a slow consumer gets bigger batches, never a slower
-engine. stats() and health answer from any thread while a step runs.
+reported since the batch it acknowledges, so a slow consumer gets bigger batches, never a
+slower engine, and a poll whose answer was lost (its caller cancelled mid-call) loses
+nothing: the next poll, acknowledging the same batch, gets the same outputs again. stats()
+and health answer from any thread while a step runs.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from typing import Callable, Optional
 
@@ -36,7 +39,8 @@ class EngineLoop:
         self._cv = threading.Condition()
         self._inbox: list[tuple] = []
         self._out_cv = threading.Condition()
-        self._outbox: list[RequestDelta] = []
+        self._outbox: deque[tuple[int, list[RequestDelta]]] = deque()  # (batch seq, deltas)
+        self._seq = 0  # the last batch's number
         self._live: set[str] = set()  # ids added and not yet reported finished
         # Aborts of ids not running, by arrival time: an abort that overtook its add (the
         # actor's threads do not keep call order) is applied when the add comes, if within
@@ -87,16 +91,23 @@ class EngineLoop:
             self._cv.notify()
         return fut.result(timeout=timeout_s)
 
-    def get_outputs(self, timeout_s: float) -> list[RequestDelta]:
-        """Everything reported since the previous call; waits up to timeout_s for something.
-        Raises EngineDeadError once the loop has stopped and everything has been returned."""
+    def get_outputs(self, ack: int, timeout_s: float) -> tuple[int, list[RequestDelta]]:
+        """Every delta reported after batch `ack` (the last one the consumer processed), and
+        the number to acknowledge next; waits up to timeout_s for something. Batches up to
+        `ack` are dropped. Raises EngineDeadError once the loop has stopped and everything
+        has been returned."""
         with self._out_cv:
-            if not self._outbox and self.dead is None:
+            box = self._outbox
+            while box and box[0][0] <= ack:
+                box.popleft()
+            if not box and self.dead is None:
                 self._out_cv.wait(timeout_s)
-            out, self._outbox = self._outbox, []
-        if not out and self.dead is not None:
-            raise EngineDeadError(self.dead)
-        return out
+            batches = list(box)
+        if not batches:
+            if self.dead is not None:
+                raise EngineDeadError(self.dead)
+            return ack, []
+        return batches[-1][0], [d for _, out in batches for d in out]
 
     def health(self) -> dict:
         """Whether the loop is stepping: alive, and either idle or past a step within the
@@ -186,7 +197,8 @@ class EngineLoop:
                 if d.finished:
                     self._live.discard(d.req_id)
         with self._out_cv:
-            self._outbox.extend(out)
+            self._seq += 1
+            self._outbox.append((self._seq, out))
             self._out_cv.notify_all()
 
     def _went_idle(self) -> None:
@@ -213,5 +225,7 @@ class EngineLoop:
         failed = [RequestDelta(r, [], True, "abort", error=why) for r in sorted(live)]
         del pending  # queued adds are in `live` too
         with self._out_cv:
-            self._outbox.extend(failed)
+            if failed:
+                self._seq += 1
+                self._outbox.append((self._seq, failed))
             self._out_cv.notify_all()

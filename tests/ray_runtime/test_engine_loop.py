@@ -35,7 +35,8 @@ def _until_finished(lp, ids, timeout_s=20.0):
     deadline = time.monotonic() + timeout_s
     while set(ids) - set(done):
         assert time.monotonic() < deadline, f"not finished: {set(ids) - set(done)}"
-        for d in lp.get_outputs(0.2):
+        lp.ack, out = lp.get_outputs(getattr(lp, "ack", 0), 0.2)
+        for d in out:
             deltas.append(d)
             if d.finished:
                 done[d.req_id] = d
@@ -107,3 +108,20 @@ def test_a_failed_step_fails_its_requests_and_the_loop_serves_on(loop, monkeypat
     done, _ = _until_finished(loop, ["g"])
     assert done["g"].finish_reason == "length" and done["g"].error is None
     assert loop.health()["healthy"]
+
+
+def test_a_lost_poll_loses_nothing(loop):
+    """A poll whose answer never reached its caller (cancelled mid-call): the next poll,
+    acknowledging the same batch, gets the same deltas again; acknowledged ones are gone."""
+    loop.add_requests([_spec("p", n=5, kind=RequestOutputKind.DELTA)])
+    deadline = time.monotonic() + 20
+    lost_seq, lost = 0, []
+    while not lost:
+        assert time.monotonic() < deadline
+        lost_seq, lost = loop.get_outputs(0, 0.2)  # answered, but "never arrives"
+    seq, again = loop.get_outputs(0, 0.2)  # still acknowledging batch 0
+    assert again[:len(lost)] == lost and seq >= lost_seq
+    loop.ack = seq
+    deltas = [] if any(d.finished for d in again) else _until_finished(loop, ["p"])[1]
+    assert sum(len(d.new_token_ids) for d in again + deltas) == 5
+    assert loop.get_outputs(seq, 0.05) == (seq, [])  # acknowledged: gone
