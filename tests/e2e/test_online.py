@@ -227,3 +227,41 @@ def test_stats_and_health_answer_while_a_stage_stalls(ray_cluster, tok_model):
         assert engine.stats()["num_stage_restarts"] == 1
     finally:
         engine.shutdown()
+
+
+def test_stop_strings_and_n_against_the_reference(online, tok_model):
+    """A stop string ends the text where the reference's text first shows it (token ids: a
+    prefix of the reference); n=2 greedy gives the reference twice; n=2 seeded gives, for
+    child i, what a single request with seed + i gives."""
+    tokenizer = online.tokenizer
+    prompt = [7, 8, 9, 10, 11]
+    ref = hf_greedy(tok_model, tuple(prompt), 16, eos=False)
+    text = tokenizer.decode(ref.token_ids, skip_special_tokens=True)
+    start = next(i for i in range(3, len(text) - 2) if "\ufffd" not in text[i:i + 2])
+    stop = text[start:start + 2]
+    cut = text.index(stop)
+
+    async def one(sp, rid):
+        return (await _collect(online, {"prompt_token_ids": prompt}, sp, rid))[-1]
+
+    async def main():
+        stopped = await one(_greedy(16, FINAL, stop=[stop]), "stop-a")
+        streamed = await _collect(online, {"prompt_token_ids": prompt},
+                                  _greedy(16, DELTA, stop=[stop]), "stop-b")
+        both = await one(_greedy(16, FINAL, n=2), "n-greedy")
+        seeded = await one(SamplingParams(max_tokens=8, temperature=1.0, seed=5, n=2,
+                                          ignore_eos=True, output_kind=FINAL), "n-seeded")
+        singles = [await one(SamplingParams(max_tokens=8, temperature=1.0, seed=5 + i,
+                                            ignore_eos=True, output_kind=FINAL), f"single-{i}")
+                   for i in range(2)]
+        return stopped, streamed, both, seeded, singles
+
+    stopped, streamed, both, seeded, singles = asyncio.run(main())
+    c = stopped.outputs[0]
+    assert (c.text, c.finish_reason, c.stop_reason) == (text[:cut], "stop", stop)
+    assert list(c.token_ids) == ref.token_ids[:len(c.token_ids)]
+    assert "".join(o.outputs[0].text for o in streamed) == text[:cut]
+    assert [list(x.token_ids) for x in both.outputs] == [ref.token_ids] * 2
+    assert [list(x.token_ids) for x in seeded.outputs] == \
+        [list(s.outputs[0].token_ids) for s in singles]
+    online.check()
