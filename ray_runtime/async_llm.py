@@ -72,19 +72,9 @@ class AsyncLLM(EngineClient):
                 ids = self._processor.engine_ids(request_id)
                 self._processor.forget(request_id)
                 if ids and self._dead is None and add_ref is not None:
-                    # The driver's threads do not keep call order: abort only once the add
-                    # has landed, or the abort could run first and the request run unseen.
-                    asyncio.get_running_loop().create_task(self._abort_after(add_ref, ids))
-
-    async def _abort_after(self, add_ref, ids: list[str]) -> None:
-        try:
-            await add_ref
-        except Exception:  # noqa: BLE001 - the add failed: nothing to abort
-            return
-        try:
-            await self._driver.abort.remote(ids)
-        except Exception:  # noqa: BLE001 - the engine is gone: nothing left to abort
-            pass
+                    # Sent at once, without the event loop (which may be closing): an abort
+                    # that overtakes its add is applied when the add lands (engine_loop.py).
+                    self._driver.abort.remote(ids)
 
     async def abort(self, request_id: str) -> None:
         """Stop a request: its stream ends with finish_reason "abort", its KV blocks and rank
@@ -136,6 +126,11 @@ class AsyncLLM(EngineClient):
                     q.put_nowait(out)
 
     def shutdown(self, graceful: bool = True) -> None:
+        """Stop the engine; every stream still running ends with RequestFailed."""
+        for out in self._processor.fail_all("the engine was shut down"):
+            q = self._queues.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
         if self._handler is not None:
             self._handler.cancel()
         super().shutdown(graceful)

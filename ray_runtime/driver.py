@@ -141,15 +141,15 @@ class Driver:
         return None if m is None else self.loop.call(lambda core: m.snapshot())
 
     def check(self) -> None:
-        """Every invariant, in the loop thread between two steps: the scheduler's, each
-        rank's, and, when no step is in flight, that every rank holds a slot for exactly the
+        """Every invariant, in the loop thread between two steps: the scheduler's and, when no
+        step is in flight, each rank's and that every rank holds a slot for exactly the
         driver's view."""
         def check_all(core):
             core.scheduler.check()
-            ray.get([s.check.remote() for s in self.stages])
             view = core.rank_view()
-            if view is None:
+            if view is None:  # steps in flight: a stage may be mid-step, its batch changing
                 return
+            ray.get([s.check.remote() for s in self.stages])
             for rank, held in enumerate(ray.get([s.live_req_ids.remote() for s in self.stages])):
                 if set(held) != view:
                     raise AssertionError(

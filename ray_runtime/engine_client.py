@@ -104,6 +104,10 @@ class EngineClient:
         """The engine requests of one prompt (n of them for n > 1), known to `processor`."""
         n = sp.n
         ids = child_ids(request_id, n)
+        clash = processor.in_use(ids)
+        if clash is not None:
+            raise ValueError(f"request_id {request_id!r}: its engine request {clash!r} is "
+                             "already running (n > 1 runs as '{i}_{request_id}')")
         params = [child_params(sp, i, n) for i in range(n)]
         processor.add(request_id, text, token_ids, sp, ids, params)
         return [RequestSpec(req_id=e, prompt_token_ids=token_ids, sampling=p)

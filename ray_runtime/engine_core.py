@@ -32,6 +32,9 @@ from ray_runtime.trace import PipelineTrace
 logger = logging.getLogger(__name__)
 
 _FINAL_ONLY = RequestOutputKind.FINAL_ONLY
+# Steps failing in a row (a rank that reports an error at every step, e.g. a sticky device
+# error) after which the ranks count as lost and are replaced.
+MAX_FAILED_STEPS = 3
 
 
 def streams(spec_sampling) -> bool:
@@ -85,6 +88,8 @@ class EngineCore:
         # returns why it could not, or None (ray_runtime/link.py).
         self.reset_link = reset_link
         self.num_stage_restarts = 0
+        self.recovering = False
+        self.num_failed_steps = 0  # in a row, since the last step that completed
         self.recovery_s: list[float] = []  # how long each replacement took
 
     # ---- requests in ---------------------------------------------------------------------
@@ -137,11 +142,14 @@ class EngineCore:
         unfinished request ends with the error (reported to its caller), and the in-flight
         steps are drained (replies dropped) so that the engine is ready for new requests.
         A link that cannot be drained is `ranks.broken`."""
+        sched = self.scheduler
+        # Requests that finished (or were aborted) before the error are reported as such.
+        finished_ok = self._deltas((), sched.pop_finished())
+        self.num_failed_steps += 1
         not_recovered = self._recover(error)
         if not_recovered is None:
-            return []
+            return finished_ok
         msg = f"{type(error).__name__}: {error}{not_recovered}"
-        sched = self.scheduler
         failed = list(sched.requests)
         for req_id in failed:
             sched.abort_request(req_id)
@@ -153,18 +161,19 @@ class EngineCore:
         done = sched.pop_finished()
         if self.metrics is not None:
             self.metrics.on_finished(done, time.time())
-        out = []
+        out = finished_ok
         for req in done:
             self._streamed.pop(req.req_id, None)
             out.append(RequestDelta(req.req_id, [], True, "abort", None, req.num_preemptions,
                                     error=msg))
         return out
 
-    @staticmethod
-    def _is_loss(error: BaseException) -> bool:
-        """A rank is gone or stuck (its channel closed, or silent past the step deadline),
-        as opposed to a rank that reported an error and goes on."""
-        return isinstance(error, (ChannelClosed, TimeoutError))
+    def _is_loss(self, error: BaseException) -> bool:
+        """A rank is gone or stuck (its channel closed, or silent past the step deadline), or
+        keeps failing (MAX_FAILED_STEPS steps in a row without one that completed), as
+        opposed to a rank that reported an error once and goes on."""
+        return isinstance(error, (ChannelClosed, TimeoutError)) or \
+            self.num_failed_steps >= MAX_FAILED_STEPS
 
     def _recover(self, error: BaseException) -> Optional[str]:
         """Replace the ranks after a loss; None if done, else why not (for the message)."""
@@ -178,14 +187,19 @@ class EngineCore:
         t0 = time.monotonic()
         logger.warning("a stage was lost (%s): replacing the stages, then recomputing the "
                        "unfinished requests", error)
+        self.recovering = True  # health stays true while the stages are replaced
+        self.last_progress = t0
         try:
             self.ranks = self.replace_ranks(error)
         except Exception as e:  # noqa: BLE001 - no stages to run on: the engine is done
             logger.exception("replacing the stages failed")
             self.ranks.broken = f"a stage was lost ({error}) and replacing it failed: {e}"
             return f" (a stage was lost and replacing it failed: {type(e).__name__}: {e})"
+        finally:
+            self.recovering = False
         self._inflight.clear()
         requeued = self.scheduler.requeue_all()
+        self.num_failed_steps = 0
         self.num_stage_restarts += 1
         self.recovery_s.append(time.monotonic() - t0)
         self.last_progress = time.monotonic()
@@ -234,6 +248,7 @@ class EngineCore:
             self.metrics.on_step(results, self.scheduler.requests, t3)
         self.trace.driver_span("output", t2, t3, step=record.plan.step_id)
         self.last_progress = time.monotonic()
+        self.num_failed_steps = 0
         return out.req_ids
 
     def _reconcile(self, record: PlanRecord, results: list[StageStepResult]) -> frozenset[str]:

@@ -46,6 +46,8 @@ class EngineLoop:
         # actor's threads do not keep call order) is applied when the add comes, if within
         # _EARLY_ABORT_S (a later add of a reused id is a new request). Bounded.
         self._early_aborts: dict[str, float] = {}
+        # Ids reported finished lately: an abort of one of them is late, not early. Bounded.
+        self._recent_done: dict[str, None] = {}
         self._stopping = False
         self.dead: Optional[str] = None  # why the loop stopped stepping, if it did
         self.num_steps_run = 0
@@ -56,8 +58,8 @@ class EngineLoop:
     def add_requests(self, specs: list[RequestSpec]) -> None:
         """Queue requests for the next iteration. A request id that is still running raises
         ValueError here, in the caller, and none of `specs` is added."""
-        self._raise_if_dead()
         with self._cv:
+            self._raise_if_dead()
             ids = [s.req_id for s in specs]
             clash = self._live.intersection(ids)
             if clash or len(set(ids)) != len(ids):
@@ -67,6 +69,8 @@ class EngineLoop:
             self._inbox.append(("add", specs))
             now = time.monotonic()
             early = [i for i in ids if now - self._early_aborts.pop(i, -1e9) < _EARLY_ABORT_S]
+            for i in ids:
+                self._recent_done.pop(i, None)
             if early:
                 self._inbox.append(("abort", early))
             self._cv.notify()
@@ -75,7 +79,7 @@ class EngineLoop:
         with self._cv:
             now = time.monotonic()
             for i in req_ids:
-                if i not in self._live:
+                if i not in self._live and i not in self._recent_done:
                     self._early_aborts[i] = now
             while len(self._early_aborts) > _MAX_EARLY_ABORTS:
                 del self._early_aborts[next(iter(self._early_aborts))]
@@ -84,9 +88,9 @@ class EngineLoop:
 
     def call(self, fn: Callable[[EngineCore], object], timeout_s: float = 300.0):
         """fn(core) in the loop thread, between two steps; its result or its exception."""
-        self._raise_if_dead()
         fut: Future = Future()
         with self._cv:
+            self._raise_if_dead()
             self._inbox.append(("call", fn, fut))
             self._cv.notify()
         return fut.result(timeout=timeout_s)
@@ -116,8 +120,9 @@ class EngineLoop:
         busy = core.has_work()
         since = time.monotonic() - core.last_progress
         healthy = self.dead is None and self._thread.is_alive() and core.ranks.broken is None \
-            and (not busy or since < core.config.step_timeout_s)
-        return {"healthy": healthy, "busy": busy, "seconds_since_last_step": since,
+            and (not busy or core.recovering or since < core.config.step_timeout_s)
+        return {"healthy": healthy, "busy": busy, "recovering": core.recovering,
+                "seconds_since_last_step": since,
                 "num_unfinished": len(self._live), "error": self.dead or core.ranks.broken}
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -143,11 +148,14 @@ class EngineLoop:
         core = self.core
         busy = False
         while True:
+            went_idle = False
+            with self._cv:
+                if busy and not self._inbox and not self._stopping and not core.has_work():
+                    busy, went_idle = False, True
+            if went_idle:
+                self._went_idle()  # a metrics flush, a trace write: not under the lock
             with self._cv:
                 while not self._inbox and not self._stopping and not core.has_work():
-                    if busy:
-                        busy = False
-                        self._went_idle()
                     self._cv.wait(_IDLE_WAIT_S)
                 if self._stopping:
                     self._die("the engine was shut down")
@@ -156,6 +164,7 @@ class EngineLoop:
             if not busy:
                 busy = True
                 core.trace.reset_window()
+                core.last_progress = time.monotonic()  # idle time is not a stalled step
             out: list[RequestDelta] = []
             for item in inbox:
                 self._take(item, out)
@@ -196,6 +205,9 @@ class EngineLoop:
             for d in out:
                 if d.finished:
                     self._live.discard(d.req_id)
+                    self._recent_done[d.req_id] = None
+            while len(self._recent_done) > _MAX_EARLY_ABORTS:
+                del self._recent_done[next(iter(self._recent_done))]
         with self._out_cv:
             self._seq += 1
             self._outbox.append((self._seq, out))

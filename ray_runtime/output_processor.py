@@ -92,8 +92,11 @@ class OutputProcessor:
         stops = list(sp.stop or ())
         children = {}
         for i, (eid, csp) in enumerate(zip(engine_ids, engine_params)):
+            # Held back while streaming: what could be the start of a stop string (nothing
+            # when the stop string is shown anyway, as vLLM).
+            hold = 0 if sp.include_stop_str_in_output else max(map(len, stops), default=1) - 1
             child = _Child(i, csp, IncrementalDetokenizer(self.tokenizer) if detok else None,
-                           stops, max(map(len, stops), default=1) - 1)
+                           stops, hold)
             if sp.logprobs is not None:
                 child.logprobs, child.cumulative = [], 0.0
             children[eid] = child
@@ -104,6 +107,11 @@ class OutputProcessor:
 
     def has(self, request_id: str) -> bool:
         return request_id in self._parents
+
+    def in_use(self, engine_ids: list[str]) -> Optional[str]:
+        """One of these engine request ids that a running request already uses, or None
+        (a request "x" with n=2 runs as "0_x" and "1_x")."""
+        return next((e for e in engine_ids if e in self._child_of or e in self._dropped), None)
 
     def engine_ids(self, request_id: str) -> list[str]:
         p = self._parents.get(request_id)
@@ -128,10 +136,9 @@ class OutputProcessor:
             if d.error is not None:
                 parent.error = d.error
             parent.num_preemptions = max(parent.num_preemptions, d.num_preemptions)
-            if self._commit(child, d):  # a stop string: the engine request must stop
+            if self._commit(child, d) and not d.finished:  # a stop string: stop the request
                 aborts.append(d.req_id)
-                if not d.finished:
-                    self._dropped.add(d.req_id)
+                self._dropped.add(d.req_id)
             if child.finish_reason is not None:
                 del self._child_of[d.req_id]
         outs = []

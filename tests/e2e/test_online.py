@@ -265,3 +265,17 @@ def test_stop_strings_and_n_against_the_reference(online, tok_model):
     assert [list(x.token_ids) for x in seeded.outputs] == \
         [list(s.outputs[0].token_ids) for s in singles]
     online.check()
+
+
+def test_shutdown_ends_the_streams_still_running(ray_cluster, tok_model):
+    engine = AsyncLLM(tok_model, max_num_batched_tokens=32)
+
+    async def main():
+        gen = engine.generate({"prompt_token_ids": [5, 6, 7]}, _greedy(400, DELTA), "long")
+        await gen.__anext__()
+        engine.shutdown()
+        with pytest.raises(RequestFailed, match="shut down"):
+            async for _ in gen:
+                pass
+
+    asyncio.run(main())

@@ -125,3 +125,57 @@ def test_a_lost_poll_loses_nothing(loop):
     deltas = [] if any(d.finished for d in again) else _until_finished(loop, ["p"])[1]
     assert sum(len(d.new_token_ids) for d in again + deltas) == 5
     assert loop.get_outputs(seq, 0.05) == (seq, [])  # acknowledged: gone
+
+
+def test_a_late_abort_of_a_finished_id_does_not_touch_its_reuse(loop):
+    loop.add_requests([_spec("late", n=2)])
+    _until_finished(loop, ["late"])
+    loop.abort(["late"])  # after it finished: late, not early
+    loop.add_requests([_spec("late", n=3)])
+    done, _ = _until_finished(loop, ["late"])
+    assert done["late"].finish_reason == "length"
+
+
+def test_health_is_true_after_a_long_idle_spell(loop):
+    loop.core.last_progress -= 10 * loop.core.config.step_timeout_s  # idle for ages
+    loop.add_requests([_spec("h", n=50)])
+    time.sleep(0.05)
+    assert loop.health()["healthy"]
+    _until_finished(loop, ["h"])
+
+
+def test_a_rank_failing_every_step_counts_as_lost_and_is_replaced(tiny_model):
+    """A rank that reports an error at every step (a sticky device error) is replaced after
+    MAX_FAILED_STEPS in a row, as a lost one is; the request then finishes."""
+    from ray_runtime.engine_core import MAX_FAILED_STEPS
+
+    cfg = EngineConfig(model=tiny_model("llama"), max_num_seqs=8, max_num_batched_tokens=64,
+                       num_kv_blocks=64, disable_log_stats=True)
+    replaced = []
+
+    def replace(error):
+        replaced.append(str(error))
+        return EchoRanks()
+
+    core = EngineCore(cfg, EchoRanks(), num_kv_blocks=64, max_model_len=256, eos_token_ids=[2],
+                      replace_ranks=replace)
+    broken = core.ranks
+    real = broken.read_replies
+
+    def always_failing(step_id):
+        real(step_id)
+        raise RuntimeError("sticky device error")
+
+    broken.read_replies = always_failing
+    lp = EngineLoop(core)
+    try:
+        for k in range(MAX_FAILED_STEPS - 1):
+            lp.add_requests([_spec(f"x{k}", n=4)])
+            done, _ = _until_finished(lp, [f"x{k}"])
+            assert "sticky device error" in done[f"x{k}"].error and not replaced
+        lp.add_requests([_spec("y", n=4)])
+        done, _ = _until_finished(lp, ["y"])
+        assert replaced and done["y"].error is None and done["y"].finish_reason == "length"
+        assert len(done["y"].new_token_ids) == 4 and core.num_stage_restarts == 1
+    finally:
+        lp.stop()

@@ -83,8 +83,7 @@ def test_stop_string_ends_the_text_and_aborts_the_request(tok):
 def test_streamed_text_never_shows_part_of_a_stop_string(tok):
     text = "the quick brown fox jumps over the lazy dog"
     ids = tok(text, add_special_tokens=False).input_ids
-    sp = SamplingParams(stop=["lazy dog"], output_kind=DELTA, max_tokens=50,
-                        include_stop_str_in_output=True)
+    sp = SamplingParams(stop=["lazy dog"], output_kind=DELTA, max_tokens=50)
     p, (eid,) = _proc(tok, sp)
     outs, _ = _feed(p, eid, ids)
     shown = ""
@@ -92,7 +91,14 @@ def test_streamed_text_never_shows_part_of_a_stop_string(tok):
         shown += o.outputs[0].text
         assert "lazy" not in shown, shown  # held back until it is known not to be a stop
     shown += outs[-1].outputs[0].text
-    assert shown == text and outs[-1].outputs[0].stop_reason == "lazy dog"
+    assert shown == "the quick brown fox jumps over the "
+    assert outs[-1].outputs[0].stop_reason == "lazy dog"
+    # shown anyway with include_stop_str_in_output: nothing is held back (as vLLM)
+    sp = SamplingParams(stop=["lazy dog"], output_kind=DELTA, max_tokens=50,
+                        include_stop_str_in_output=True)
+    p, (eid,) = _proc(tok, sp)
+    outs, _ = _feed(p, eid, ids)
+    assert "".join(o.outputs[0].text for o in outs) == text
 
 
 def test_n_children_aggregate_and_seed_each(tok):
@@ -118,3 +124,18 @@ def test_cumulative_outputs_extend_and_an_error_is_carried(tok):
     p2, (e2,) = _proc(tok, SamplingParams(output_kind=DELTA), rid="y")
     (out,), _ = p2.process([RequestDelta(e2, [], True, "abort", error="StageError: boom")])
     assert out.error == "StageError: boom" and out.finished
+
+
+def test_a_stop_string_in_the_final_delta_aborts_nothing(tok):
+    """The engine finished the request in the same delta: no abort is sent (an abort of a
+    finished id would only be late)."""
+    ids = tok("hello world, hello ray", add_special_tokens=False).input_ids
+    p, (eid,) = _proc(tok, SamplingParams(stop=["ray"], output_kind=FINAL, max_tokens=50))
+    outs, aborts = p.process([RequestDelta(eid, ids, True, "length")])
+    assert aborts == [] and outs[0].outputs[0].text == "hello world, hello "
+    assert outs[0].outputs[0].finish_reason == "stop"
+
+
+def test_an_engine_id_in_use_is_found(tok):
+    p, ids = _proc(tok, SamplingParams(n=2), rid="x")
+    assert p.in_use(["0_x"]) == "0_x" and p.in_use(["x"]) is None
