@@ -19,6 +19,7 @@ class Progress:
         self.t0 = self._last_log = time.monotonic()
         self.log_every_s = log_every_s
         self._bar = None
+        self._logged = None  # (done, tokens) of the last line logged
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -40,6 +41,7 @@ class Progress:
             now = time.monotonic()
             if now - self._last_log >= self.log_every_s:
                 self._last_log = now
+                self._logged = (self.done, self.tokens)
                 logger.info("%s", self.line(now))
 
     def line(self, now: float) -> str:
@@ -51,5 +53,5 @@ class Progress:
         """The bar's end, or off a terminal the last progress line (always one per call)."""
         if self._bar is not None:
             self._bar.close()
-        elif self.enabled and self.done:
+        elif self.enabled and self.done and self._logged != (self.done, self.tokens):
             logger.info("%s", self.line(time.monotonic()))

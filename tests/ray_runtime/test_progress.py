@@ -31,3 +31,12 @@ def test_progress_disabled_is_silent(caplog):
     p.tick()
     p.close()
     assert not caplog.records
+
+
+def test_the_last_line_is_not_repeated(caplog):
+    caplog.set_level(logging.INFO, logger="ray_runtime.progress")
+    p = Progress(total=1, enabled=True, log_every_s=0.0)
+    p.update(4)
+    p.tick()  # due at once: logs 1/1
+    p.close()  # nothing new since: no second line
+    assert len(caplog.records) == 1
