@@ -186,8 +186,12 @@ def start_server(args, model: str) -> str:
         if os.environ.get("RAY_ADDRESS"):
             ray.init()
         else:
+            from bench.common import gpu_ray_env
+
+            # the workers import this checkout, and whatever PYTHONPATH already held
+            path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
             ray.init(address="local", include_dashboard=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": root}})
+                     runtime_env={"env_vars": {**gpu_ray_env(), "PYTHONPATH": path}})
     port = args.port or free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({

@@ -192,7 +192,8 @@ def cmd_serve(args) -> int:
     started_ray = not address
     if started_ray:  # a local cluster, whose workers import this package from here
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        ray.init(address="local", runtime_env={"env_vars": {"PYTHONPATH": root}})
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        ray.init(address="local", runtime_env={"env_vars": {"PYTHONPATH": path}})
     else:  # join it (a `ray job submit` sets RAY_ADDRESS); leave it running after
         ray.init(address=address)
     _install_signal_handlers()
