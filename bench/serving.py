@@ -235,6 +235,8 @@ def main(argv=None) -> dict:
     if any(r <= 0 for r in rates) or args.num_prompts < 1 or args.prompt_len < 1 or args.output_len < 1:
         p.error("--request-rates, --num-prompts, --prompt-len and --output-len must be positive")
 
+    if args.direct and args.url:
+        p.error("--direct drives an engine in this process: it takes no --url")
     model_info, started = {"served_at": args.url}, False
     if args.url:
         url, model_name = args.url.rstrip("/"), args.model_name
@@ -256,19 +258,14 @@ def main(argv=None) -> dict:
     rows = []
     try:
         # Warm-up: every prompt shape once (kernels compile per shape on CUDA).
-        warm = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(2)]
+        warm = make_prompts(rng, vocab, 2, args.prompt_len)
         asyncio.run(run_rate(url, model_name, warm, min(args.output_len, 4), math.inf, args.seed))
         for i, rate in enumerate(rates):
-            prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)]
-                       for _ in range(args.num_prompts)]
+            prompts = make_prompts(rng, vocab, args.num_prompts, args.prompt_len)
             row = asyncio.run(run_rate(url, model_name, prompts, args.output_len, rate,
                                        args.seed + i))
             rows.append(row)
-            print(f"rate {row['request_rate']:>5}: {row['completed']}/{row['num_requests']} ok "
-                  f"in {row['duration_s']:.2f}s, {row['request_throughput']:.2f} req/s, "
-                  f"{row['output_tok_s']:.1f} tok/s; TTFT p50 {row['ttft_ms']['p50']} p99 "
-                  f"{row['ttft_ms']['p99']} ms; ITL p50 {row['itl_ms']['p50']} p99 "
-                  f"{row['itl_ms']['p99']} ms", flush=True)
+            print_row(row)
     finally:
         if started:
             import ray
@@ -278,9 +275,27 @@ def main(argv=None) -> dict:
             if not serve.status().applications:
                 serve.shutdown()
             ray.shutdown()
+    return report(args, model_info, rows,
+                  "the OpenAI-compatible server on Ray Serve (/v1/completions, stream)")
+
+
+def make_prompts(rng: random.Random, vocab: int, n: int, length: int) -> list[list[int]]:
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def print_row(row: dict) -> None:
+    print(f"rate {row['request_rate']:>5}: {row['completed']}/{row['num_requests']} ok "
+          f"in {row['duration_s']:.2f}s, {row['request_throughput']:.2f} req/s, "
+          f"{row['output_tok_s']:.1f} tok/s; TTFT p50 {row['ttft_ms']['p50']} p99 "
+          f"{row['ttft_ms']['p99']} ms; ITL p50 {row['itl_ms']['p50']} p99 "
+          f"{row['itl_ms']['p99']} ms", flush=True)
+
+
+def report(args, model_info: dict, rows: list[dict], through: str) -> dict:
+    """The run's JSON payload; written when asked (--save or $BENCH_OUT)."""
     tag = args.tag or ("cpu" if args.device == "cpu" else "gpu")
     payload = {"model": model_info, "workload": {
-        "through": "the OpenAI-compatible server on Ray Serve (/v1/completions, stream)",
+        "through": through,
         "request_rates": args.request_rates, "num_prompts": args.num_prompts,
         "prompt_len": args.prompt_len, "output_len": args.output_len, "greedy": True,
         "ignore_eos": True, "pp": args.pipeline_parallel_size, "device": args.device,
@@ -307,17 +322,13 @@ def run_direct(args, model: str, vocab: int, model_info: dict) -> dict:
     rows = []
 
     async def all_rates():
-        warm = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(2)]
+        warm = make_prompts(rng, vocab, 2, args.prompt_len)
         await run_rate_direct(engine, warm, min(args.output_len, 4), math.inf, 10_000)
         for i, rate in enumerate(rates):
-            prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)]
-                       for _ in range(args.num_prompts)]
+            prompts = make_prompts(rng, vocab, args.num_prompts, args.prompt_len)
             row = await run_rate_direct(engine, prompts, args.output_len, rate, args.seed + i)
             rows.append(row)
-            print(f"rate {row['request_rate']:>5}: {row['completed']}/{row['num_requests']} ok "
-                  f"in {row['duration_s']:.2f}s, {row['output_tok_s']:.1f} tok/s; TTFT p50 "
-                  f"{row['ttft_ms']['p50']} p99 {row['ttft_ms']['p99']} ms; ITL p50 "
-                  f"{row['itl_ms']['p50']} p99 {row['itl_ms']['p99']} ms", flush=True)
+            print_row(row)
 
     rates = [math.inf if r == "inf" else float(r) for r in args.request_rates]
     try:
@@ -325,17 +336,7 @@ def run_direct(args, model: str, vocab: int, model_info: dict) -> dict:
     finally:
         engine.shutdown()
         ray.shutdown()
-    tag = args.tag or ("cpu" if args.device == "cpu" else "gpu")
-    payload = {"model": model_info, "workload": {
-        "through": "AsyncLLM in process (--direct: no HTTP, no Ray Serve)",
-        "request_rates": args.request_rates, "num_prompts": args.num_prompts,
-        "prompt_len": args.prompt_len, "output_len": args.output_len, "greedy": True,
-        "ignore_eos": True, "pp": args.pipeline_parallel_size, "device": args.device,
-        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "seed": args.seed}, "rows": rows}
-    if args.save or os.environ.get("BENCH_OUT"):
-        print("wrote", save(f"serving_{tag}", payload))
-    return payload
+    return report(args, model_info, rows, "AsyncLLM in process (--direct: no HTTP, no Ray Serve)")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from ray_runtime.echo_ranks import EchoRanks
 from ray_runtime.engine_core import EngineCore
 from ray_runtime.kv_blocks import BlockManager
 from ray_runtime.messages import RequestSpec, RowDigest, decode_plan, encode
-from ray_runtime.reconcile import BookkeepingMismatch, Mismatch, audit
+from ray_runtime.reconcile import BookkeepingMismatch, _findings, audit
 from ray_runtime.request import Request, hash_extend, prefix_hash
 from ray_runtime.sampling_params import RequestOutputKind, SamplingParams
 from ray_runtime.scheduler import Expectation, Scheduler
@@ -197,28 +197,9 @@ def test_finish_checks_unchanged():
 # ---- the audit ----------------------------------------------------------------------------
 
 def _audit_field_by_field(expected, digests, rank, is_last):
-    """reconcile.audit as it read before its fast path: every field, in order."""
-    found = []
-    for d in digests:
-        exp = expected.get(d.req_id)
-        if exp is None:
-            found.append(Mismatch(d.req_id, rank, "request", "not in this plan", "a row"))
-            continue
-        checks = [("incarnation", exp.incarnation, d.incarnation),
-                  ("hash_length", exp.num_tokens_known, d.hash_length),
-                  ("num_computed_tokens", exp.num_computed_tokens, d.num_computed_tokens),
-                  ("num_draft_tokens", exp.num_draft_tokens, d.num_draft_tokens),
-                  ("token_hash", exp.token_hash, d.token_hash),
-                  ("num_conflicts", 0, d.num_conflicts)]
-        known_ok = d.num_tokens_known >= exp.num_tokens_known if is_last \
-            else d.num_tokens_known == exp.num_tokens_known
-        if not known_ok:
-            checks.append(("num_tokens_known", exp.num_tokens_known, d.num_tokens_known))
-        for field, want, got in checks:
-            if want != got or field == "num_tokens_known":
-                found.append(Mismatch(d.req_id, rank, field, want, got))
-                break
-    return found
+    """audit without its fast path: every digest through the field-by-field explanation
+    (reconcile._findings), which the fast path must skip only when it finds nothing."""
+    return [m for d in digests for m in _findings(expected.get(d.req_id), d, rank, is_last)]
 
 
 @pytest.mark.parametrize("seed", range(5))
