@@ -6,14 +6,15 @@ same path as AsyncLLM, ray_runtime/async_llm.py, with every output FINAL_ONLY).
 from __future__ import annotations
 
 import threading
+import time
 import uuid
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
 import msgspec
 import ray
 
 from ray_runtime.checks import InputTypeError
-from ray_runtime.engine_client import EngineClient, PromptType, load_tokenizer  # noqa: F401
+from ray_runtime.engine_client import EngineClient, PromptType
 from ray_runtime.output_processor import OutputProcessor, RequestFailed
 from ray_runtime.outputs import RequestOutput
 from ray_runtime.progress import Progress
@@ -97,8 +98,6 @@ class LLM(EngineClient):
     def _drain(self, processor: OutputProcessor, left: list[str], timeout_s: float = 30.0) -> None:
         """After an aborted call: read the aborted requests' last outputs, so that the next
         call does not see them."""
-        import time
-
         waiting = set(left)
         deadline = time.monotonic() + timeout_s
         while waiting and time.monotonic() < deadline:

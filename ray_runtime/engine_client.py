@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from typing import Optional, Sequence, Union  # noqa: F401
+from typing import Optional, Sequence, Union
 
 import ray
 
@@ -158,7 +158,7 @@ class EngineClient:
             except Exception:  # noqa: BLE001 - already gone: nothing left to stop
                 pass
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> "EngineClient":
         return self
 
     def __exit__(self, exc_type, *exc) -> None:

@@ -40,7 +40,7 @@ MAX_FAILED_STEPS = 3
 def streams(spec_sampling) -> bool:
     """Whether a request reports its tokens as they come: any output kind but FINAL_ONLY,
     and every request with stop strings (the caller detokenizes and checks them)."""
-    return spec_sampling.output_kind != _FINAL_ONLY or bool(getattr(spec_sampling, "stop", None))
+    return spec_sampling.output_kind != _FINAL_ONLY or bool(spec_sampling.stop)
 
 
 class EngineCore:
@@ -114,10 +114,6 @@ class EngineCore:
     def has_work(self) -> bool:
         s = self.scheduler
         return s.has_unfinished() or bool(self._inflight) or s.has_finished()
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.scheduler.requests)
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:

@@ -50,7 +50,6 @@ class EngineLoop:
         self._recent_done: dict[str, None] = {}
         self._stopping = False
         self.dead: Optional[str] = None  # why the loop stopped stepping, if it did
-        self.num_steps_run = 0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -171,7 +170,6 @@ class EngineLoop:
             if core.has_work():
                 try:
                     out.extend(core.step())
-                    self.num_steps_run += 1
                 except Exception as e:  # noqa: BLE001 - fails the requests, not the loop
                     logger.error("step failed: %s: %s", type(e).__name__, e)
                     out.extend(core.fail(e))

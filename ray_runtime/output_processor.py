@@ -105,9 +105,6 @@ class OutputProcessor:
         for eid, child in children.items():
             self._child_of[eid] = (parent, child)
 
-    def has(self, request_id: str) -> bool:
-        return request_id in self._parents
-
     def in_use(self, engine_ids: list[str]) -> Optional[str]:
         """One of these engine request ids that a running request already uses, or None
         (a request "x" with n=2 runs as "0_x" and "1_x")."""
