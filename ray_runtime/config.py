@@ -83,10 +83,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 256
     max_model_len: Optional[int] = None  # None: the checkpoint's max_position_embeddings
     async_scheduling: bool = True
-    # async: steps in flight at once. At PP>1 a request waits for its token, so this is also
-    # the number of micro-batches the running requests split into. None: PP=1 keeps 2 (the
-    # next step runs on the pending sample); PP>1 keeps one per stage (fewer, bigger steps:
-    # on 4x H200 that beat one more per stage, pp_scaling_h200x4_inflight.json).
+    # async: steps in flight at once. None: PP=1 keeps 2 (the next step runs on the pending
+    # sample); PP>1 keeps two per micro-batch (2 x PP: each micro-batch's next step is planned
+    # on its pending samples, which the last rank feeds straight back to rank 0), or one per
+    # stage with speculative decoding (a request then waits for its token and drafts).
     max_inflight_steps: Optional[int] = None
     on_mismatch: str = "repair"  # what the driver does when a rank's digest disagrees: or "raise"
     trace_file: Optional[str] = None  # Chrome trace / Perfetto JSON of the pipeline
@@ -140,7 +140,23 @@ class EngineConfig:
         """Steps the driver keeps in flight (max_inflight_steps, or its default; 1 in sync)."""
         if not self.async_scheduling:
             return 1
-        return self.max_inflight_steps or default_inflight_steps(self.pipeline_parallel_size)
+        return self.max_inflight_steps or default_inflight_steps(self.pipeline_parallel_size,
+                                                                 self.feeds_tokens_back)
+
+    @property
+    def feeds_tokens_back(self) -> bool:
+        """PP>1 async without drafts: the last rank sends each step's sampled tokens straight
+        to rank 0 (stages/token_feedback.py), so a micro-batch's next step is planned on its
+        pending samples and never waits for a driver round trip (docs/design.md)."""
+        return (self.pipeline_parallel_size > 1 and self.async_scheduling
+                and self.speculative_config is None)
+
+    @property
+    def num_microbatches(self) -> int:
+        """Disjoint groups of requests (lanes) whose steps take turns in the pipeline: one per
+        stage when tokens feed back; otherwise 1 (at PP>1 without feedback the requests split
+        by themselves: a request waits for its token)."""
+        return self.pipeline_parallel_size if self.feeds_tokens_back else 1
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -191,8 +207,12 @@ class EngineConfig:
             raise bad("kv_cache_memory_fraction", f"must be in (0, 1], got {self.kv_cache_memory_fraction}")
 
 
-def default_inflight_steps(pp: int) -> int:
-    return 2 if pp == 1 else pp
+def default_inflight_steps(pp: int, feeds_tokens_back: bool = True) -> int:
+    """2 at PP=1; 2 x PP with token feedback (every micro-batch has its running step and its
+    next step, planned on pending samples, in flight); PP without it."""
+    if pp == 1:
+        return 2
+    return 2 * pp if feeds_tokens_back else pp
 
 
 def parse_partition(value: str | tuple[int, ...] | list[int] | None) -> Optional[tuple[int, ...]]:

@@ -56,12 +56,17 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             num_kv_blocks=num_kv_blocks, block_size=config.block_size,
             max_model_len=max_model_len,
-            allow_placeholders=config.async_scheduling and pp == 1,
-            num_speculative_tokens=config.num_speculative_tokens)
-        # PP>1: one plan per stage keeps every stage busy (the last stage, which samples, is
-        # the slowest; a request's next step waits for its token anyway). PP=1: the next plan
-        # waits behind the running one and computes on its pending sample.
+            allow_placeholders=config.async_scheduling and (pp == 1 or config.feeds_tokens_back),
+            num_speculative_tokens=config.num_speculative_tokens,
+            num_lanes=config.num_microbatches)
+        # PP=1: the next plan waits behind the running one and computes on its pending
+        # sample. PP>1 with token feedback: two plans per micro-batch (the running one, and
+        # the next on its pending samples). PP>1 with drafts: one plan per stage.
         self.max_inflight = config.inflight_steps
+        # Ranks that may know a request's samples before the driver does (the audit lets
+        # their known counter run ahead): the last rank, which samples, and rank 0 when the
+        # samples feed back to it directly.
+        self.ahead_ranks = frozenset({pp - 1, 0} if config.feeds_tokens_back else {pp - 1})
         self._inflight: deque[PlanRecord] = deque()  # launched, replies not yet read
         self.eos_token_ids = frozenset(eos_token_ids)
         self.trace = PipelineTrace(pp, record_events=config.trace_file is not None)
@@ -250,7 +255,7 @@ class EngineCore:
     def _reconcile(self, record: PlanRecord, results: list[StageStepResult]) -> frozenset[str]:
         """Audit every rank's digests; repair by recompute, or raise."""
         bad: set[str] = set()
-        last = self.config.pipeline_parallel_size - 1
+        ahead = self.ahead_ranks
         for res in results:
             self.trace.stage_step(res.rank, res.step_id, res.timing)
             self.digest_s[res.rank] += res.timing.digest_s
@@ -258,7 +263,7 @@ class EngineCore:
             digests = res.digests
             if record.self_drafted:  # uncorrected self-drafted steps are not audited
                 digests = [d for d in digests if d.req_id not in record.self_drafted]
-            for m in audit(record.expected, digests, res.rank, res.rank == last):
+            for m in audit(record.expected, digests, res.rank, res.rank in ahead):
                 self.num_mismatches += 1
                 self.mismatches_by_rank[res.rank] += 1
                 logger.warning("%s (step %d)", m, record.plan.step_id)

@@ -2,7 +2,8 @@
 compared with the driver's canonical view of that request when the plan left.
 
 The last rank may know more tokens than the driver did (it appends its own samples at
-once); every other rank must know exactly as many.
+once), and so may rank 0 when the samples feed back to it directly (`ahead`); every other
+rank must know exactly as many.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class Mismatch:
 
 
 def audit(expected: dict[str, Expectation], digests: list[RowDigest], rank: int,
-          is_last: bool) -> list[Mismatch]:
+          ahead: bool) -> list[Mismatch]:
     found: list[Mismatch] = []
     get = expected.get
     for d in digests:
@@ -43,13 +44,13 @@ def audit(expected: dict[str, Expectation], digests: list[RowDigest], rank: int,
                     and d.hash_length == known
                     and d.num_computed_tokens == exp.num_computed_tokens
                     and d.num_draft_tokens == exp.num_draft_tokens and d.num_conflicts == 0
-                    and (d.num_tokens_known >= known if is_last else d.num_tokens_known == known)):
+                    and (d.num_tokens_known >= known if ahead else d.num_tokens_known == known)):
                 continue
-        found.extend(_findings(exp, d, rank, is_last))
+        found.extend(_findings(exp, d, rank, ahead))
     return found
 
 
-def _findings(exp: Expectation | None, d: RowDigest, rank: int, is_last: bool) -> list[Mismatch]:
+def _findings(exp: Expectation | None, d: RowDigest, rank: int, ahead: bool) -> list[Mismatch]:
     if exp is None:
         return [Mismatch(d.req_id, rank, "request", "not in this plan", "a row")]
     checks = [
@@ -60,7 +61,7 @@ def _findings(exp: Expectation | None, d: RowDigest, rank: int, is_last: bool) -
         ("token_hash", exp.token_hash, d.token_hash),
         ("num_conflicts", 0, d.num_conflicts),
     ]
-    known_ok = d.num_tokens_known >= exp.num_tokens_known if is_last \
+    known_ok = d.num_tokens_known >= exp.num_tokens_known if ahead \
         else d.num_tokens_known == exp.num_tokens_known
     if not known_ok:
         checks.append(("num_tokens_known", exp.num_tokens_known, d.num_tokens_known))

@@ -73,6 +73,7 @@ class Request:
         self.num_inflight_steps = 0  # planned steps of this incarnation not yet returned
         self.num_pending_samples = 0  # of those, the ones that will sample a token
         self.incarnation = 0  # bumped on every admission into the ranks' batches
+        self.lane = 0  # the micro-batch it runs in (Scheduler.num_lanes), set at admission
         # The last rank's latest proposal of drafts (speculative decoding), for the next
         # step of this incarnation only: cleared when planned, preempted or re-admitted.
         self.draft_token_ids: list[int] = []

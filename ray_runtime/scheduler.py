@@ -8,8 +8,14 @@ planned: a request may be planned again while a step of it is in flight when
     plans in order, so the earlier chunk's KV is in place first), or
   - placeholders are allowed (PP=1 async): its one pending sample is the input, which the
     single rank appends to its own row before it runs the next plan.
-Otherwise (PP>1) it waits for its token: each request then decodes every few steps and the
-micro-batches of different requests interleave in the pipeline.
+  - placeholders are allowed at PP>1 too when the last rank feeds its samples straight back
+    to rank 0 (EngineConfig.feeds_tokens_back): then the running requests are split into
+    `num_lanes` disjoint micro-batches (lanes), each step plans one lane (taking turns), and a
+    lane's next step is planned on its pending samples while its running step is still in
+    the pipeline. A request joins the lane whose turn admits it, while that lane holds less
+    than its fair share of the requests.
+Otherwise (PP>1 with drafts) it waits for its token: each request then decodes every few
+steps and the micro-batches of different requests interleave in the pipeline.
 
 Speculative decoding: the last rank returns a proposal of drafts with each sample. A decode
 step of that request then runs 1 + m tokens (its last token and the m drafts); the driver
@@ -118,8 +124,10 @@ class _ExpectationField(Mapping):
 class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, num_kv_blocks: int,
                  block_size: int, max_model_len: int, allow_placeholders: bool = False,
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, num_lanes: int = 1) -> None:
         self.max_num_seqs = max_num_seqs
+        self.num_lanes = num_lanes
+        self._next_lane = 0  # the lane whose turn the next step is
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.allow_placeholders = allow_placeholders
@@ -189,7 +197,21 @@ class Scheduler:
 
     # ---- planning ------------------------------------------------------------------------
     def schedule(self) -> Optional[PlanRecord]:
-        """The next step's plan, or None when nothing can run now."""
+        """The next step's plan, or None when nothing can run now. With lanes, the next lane
+        that has something to run; the lanes take turns."""
+        n = self.num_lanes
+        if n == 1:
+            return self._schedule(None)
+        for i in range(n):
+            lane = (self._next_lane + i) % n
+            record = self._schedule(lane)
+            if record is not None:
+                self._next_lane = (lane + 1) % n
+                return record
+        return None
+
+    def _schedule(self, lane: Optional[int]) -> Optional[PlanRecord]:
+        """A plan of the running requests of `lane` (None: of all) and the admissions."""
         budget = self.max_num_batched_tokens
         k = self.num_lookahead
         mml = self.max_model_len
@@ -214,8 +236,8 @@ class Scheduler:
         for req in self.running[:]:
             if budget <= 0:
                 break
-            if req.status is not _RUNNING:
-                continue  # preempted earlier in this loop
+            if req.status is not _RUNNING or (lane is not None and req.lane != lane):
+                continue  # preempted earlier in this loop, or another micro-batch's
             computed = req.num_computed_tokens
             token_ids = req.token_ids
             num_tokens = len(token_ids)
@@ -296,9 +318,16 @@ class Scheduler:
             nums.append(num_new)
             budget -= num_new
 
+        # A lane admits up to its fair share of all requests (running and waiting), so the
+        # micro-batches stay even as requests come and go.
+        lane_size = share = 0
+        if lane is not None and self.waiting:
+            lane_size = sum(1 for r in self.running if r.lane == lane)
+            share = -(-(len(self.running) + len(self.waiting)) // self.num_lanes)
         # Admitting after a preemption in the same step would only thrash.
         while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs):
+               and len(self.running) < self.max_num_seqs
+               and (lane is None or lane_size < share)):
             req = self.waiting[0]
             req.num_computed_tokens = 0
             whole = self._kv_target(req, req.num_tokens)
@@ -312,6 +341,9 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.incarnation += 1
             req.draft_token_ids = []
+            if lane is not None:
+                req.lane = lane
+                lane_size += 1
             self.running.append(req)
             new_blocks = blocks.allocate(req.req_id, self._kv_target(req, num_new))
             new_reqs.append(NewRequestData(

@@ -83,6 +83,10 @@ class InputBatch:
         self.num_digests = np.zeros(max_num_seqs, np.int64)  # digests of the slot's tenant
         self.sampling: list[Optional[SamplingParams]] = [None] * max_num_seqs
         self._free_slots = list(range(max_num_seqs))  # a min-heap
+        # A rank between the first and the last with token feedback: its pending samples never
+        # land from a device; the driver's token for such a position resolves it. Elsewhere a
+        # driver token over a pending sample is a bug (the value lands before the driver has it).
+        self.driver_resolves_pending = False
         self.num_unknown_removals = 0  # removals of requests this rank never held
 
     # ---- the whole-step entry point ------------------------------------------------------
@@ -116,7 +120,8 @@ class InputBatch:
                              np.int64, len(simple))
         fast = ((bstart < 0) | (bstart == have)) & (have + nblocks <= self.block_table.shape[1]) \
             & (self.num_draft_tokens[rows] == 0) & (self.num_unresolved_drafts[rows] == 0) \
-            & (starts <= known) & ~(grows & (self.num_pending_samples[rows] > 0)) \
+            & (starts <= known) & (self.driver_resolves_pending
+                                   | ~(grows & (self.num_pending_samples[rows] > 0))) \
             & (starts + 1 <= self.max_model_len)
         fast_list = fast.tolist()
         for d in rest + [d for d, ok in zip(simple, fast_list) if not ok]:
@@ -130,6 +135,9 @@ class InputBatch:
         np.add.at(self.num_conflicts, rows[overlap], self.token_ids[rows[overlap], starts[overlap]]
                   != tokens[overlap])
         self.token_ids[rows, starts] = tokens
+        if self.driver_resolves_pending:
+            resolved = rows[grows & (self.num_pending_samples[rows] > 0)]
+            self.num_pending_samples[resolved] -= 1
         known = np.maximum(known, starts + 1)  # grows from its own value only (invariant 1)
         self.num_tokens_known[rows] = known
         self.last_sampled_token[rows] = self.token_ids[rows, known - 1]
@@ -240,8 +248,10 @@ class InputBatch:
             held = self.token_ids[row, start:start + overlap]
             self.num_conflicts[row] += int((held != np.asarray(tokens[:overlap])).sum())
         if end > known:  # the known prefix grows over where drafts were: they are spent
-            if self.num_pending_samples[row]:
+            pending = int(self.num_pending_samples[row])
+            if pending and not self.driver_resolves_pending:
                 raise AssertionError(f"request {req_id!r}: driver tokens over a pending sample")
+            self.num_pending_samples[row] = max(0, pending - (end - known))
             if self.num_draft_tokens[row]:
                 self._clear_drafts(row)
             # Grows from its own value only: never derived from num_computed_tokens (docs/invariants.md, 1).

@@ -79,7 +79,8 @@ class LastRank:
             host = tokens
         step.deferred = DeferredSamples(req_ids=inputs.sample_req_ids, slots=slots,
                                         generations=b.expect_samples(slots),
-                                        incarnations=b.incarnation[slots].tolist(), tokens=host)
+                                        incarnations=b.incarnation[slots].tolist(), tokens=host,
+                                        on_device=tokens)
 
     def _sample(self, step_id: int, hidden: torch.Tensor, inputs: StepInputs) -> SamplerOutput:
         b = self.batch

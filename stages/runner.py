@@ -26,6 +26,7 @@ from stages.model_spec import ModelSpec
 from stages.plan_view import PlanView, plan_view
 from stages.staging import InputStaging
 from stages.step_types import DeviceInputs, LaunchedStep, StepInputs
+from stages.token_feedback import TokenReceiver, TokenSender, num_samples
 from stages.transport import StageTransport
 
 _EMPTY = np.zeros(0, np.int64)
@@ -52,6 +53,13 @@ class StageRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: Optional[DecodeGraphs] = None  # cuda, unless enforce_eager
         self.transport: Optional[StageTransport] = None
+        # Token feedback (EngineConfig.feeds_tokens_back, stages/token_feedback.py): the last
+        # rank sends its samples to rank 0, which embeds them; ranks in between count a
+        # pending sample that the driver's next token resolves.
+        self.feeds_back = config.feeds_tokens_back
+        self.token_sender: Optional[TokenSender] = None  # last rank
+        self.token_receiver: Optional[TokenReceiver] = None  # rank 0
+        self.batch.driver_resolves_pending = self.feeds_back and not (self.is_first or self.is_last)
         self.link_generation = 0  # how many times this rank has joined the link
         self.fault_hook = None  # tests only: called with the batch after each plan is applied
         self._gpu_spans: deque = deque()  # (start, end) events of steps not yet accounted
@@ -138,12 +146,20 @@ class StageRunner:
             cfg = self.config
             self.transport = StageTransport.connect(
                 self.rank, cfg.pipeline_parallel_size, self.device, store, cfg.step_timeout_s,
-                self.spec.hidden_size, self.dtype)
+                self.spec.hidden_size, self.dtype, feedback=self.feeds_back)
+            group = self.transport.feedback_group
+            if group is not None and self.is_last:
+                self.token_sender = TokenSender(group, self.device)
+            elif group is not None and self.is_first:
+                self.token_receiver = TokenReceiver(group, self.device, cfg.max_num_seqs)
             self.link_generation += 1
 
     def close_transport(self) -> None:
         """Leave the link, dropping what failed steps left in flight (the driver resets it
         after a failed step: ray_runtime/link.py)."""
+        if self.token_receiver is not None:
+            self.token_receiver.close()
+        self.token_sender = self.token_receiver = None
         if self.transport is not None:
             self.transport.close()
             self.transport = None
@@ -161,12 +177,20 @@ class StageRunner:
         try:
             return self._launch(plan)
         except BaseException:
-            self._fail_downstream(plan.step_id)
+            self._fail_downstream(plan)
             raise
 
-    def _fail_downstream(self, step_id: int) -> None:
+    def _fail_downstream(self, plan: StepPlan) -> None:
         """A failed step still answers the next rank (a failure header instead of the
-        activations), so it fails at once instead of waiting out a timeout."""
+        activations), or with token feedback rank 0 (a failure message instead of the
+        samples), so it fails at once instead of waiting out a timeout."""
+        step_id = plan.step_id
+        if self.token_sender is not None:
+            try:
+                self.token_sender.send_failure(step_id, num_samples(plan))
+            except Exception as e:  # noqa: BLE001
+                logger.warning("rank %d: could not tell rank 0 that step %d failed: %s",
+                               self.rank, step_id, e)
         if self.transport is None or self.is_last:
             return
         try:
@@ -193,7 +217,7 @@ class StageRunner:
             x = inputs.device.token_ids
             if len(inputs.patch_index):  # pending samples: their ids never left the device
                 x = x.clone()  # the staging buffer's view stays as staged
-                x[inputs.device.patch_index] = self.last.last_sampled[inputs.device.patch_slot]
+                x[inputs.device.patch_index] = self._fed_samples(inputs.patch_slot)[inputs.device.patch_slot]
         else:
             x = self.transport.recv_from_prev(plan.step_id, inputs.num_tokens)
         recv_done = time.time()
@@ -207,14 +231,42 @@ class StageRunner:
         step = LaunchedStep(plan.step_id, start, recv_done, digests, digest_s, gpu_start)
         if self.is_last:
             self.last.sample_step(plan.step_id, hidden, inputs, step)
+            if self.token_sender is not None:
+                self.token_sender.send(plan.step_id, self._sampled_tokens(step))
         else:
             self.transport.send_to_next(plan.step_id, hidden)
+            if self.feeds_back:  # the step's samples extend the rows by pending positions
+                generations = self.batch.expect_samples(inputs.sample_slots)
+                if self.token_receiver is not None:
+                    self.token_receiver.post(plan.step_id, inputs.sample_slots, generations,
+                                             inputs.device.sample_slots)
         step.gpu_end = self._record_event()
         step.compute_done = time.time()
         return step
 
+    def _fed_samples(self, patch_slots: np.ndarray) -> torch.Tensor:
+        """[max_num_seqs] the device buffer of each slot's latest sample, made ready for the
+        pending samples of patch_slots: the last rank's own (PP=1), or those fed back."""
+        if self.token_receiver is None:
+            return self.last.last_sampled
+        self.token_receiver.feed(patch_slots)
+        return self.token_receiver.last_sampled
+
+    def _sampled_tokens(self, step: "LaunchedStep") -> torch.Tensor:
+        """The step's samples on the device, in the plan's sample order (one per request:
+        feedback runs without drafts)."""
+        if step.deferred is not None:
+            return step.deferred.on_device
+        out = step.sampler_output
+        assert all(len(t) == 1 for t in out.sampled_token_ids), "token feedback with drafts"
+        return torch.tensor([t[0] for t in out.sampled_token_ids], dtype=torch.long,
+                            device=self.device)
+
     def step_done(self, step: "LaunchedStep") -> bool:
-        """Whether finish(step) would return without waiting for the device."""
+        """Whether finish(step) would return without waiting for the device (or, on rank 0
+        with token feedback, for the step's samples)."""
+        if self.token_receiver is not None and not self.token_receiver.ready(step.step_id):
+            return False
         return step.tokens_ready is None or step.tokens_ready.query()
 
     def _record_event(self):
@@ -229,6 +281,8 @@ class StageRunner:
         the batch, and build the result."""
         out = step.sampler_output
         d = step.deferred
+        if self.token_receiver is not None:  # before the reply: the driver's copies come later
+            self.token_receiver.land(step.step_id, self.batch)
         if d is not None:
             if step.tokens_ready is not None:
                 step.tokens_ready.synchronize()

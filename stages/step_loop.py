@@ -1,15 +1,17 @@
 """A stage's long-running step loop: plans in, results out, over the driver's channel.
 
 The loop runs in its own thread of the stage actor, so no Ray call sits on the step path.
-It launches a plan as soon as it arrives; when the next plan is already waiting it launches
-that one before finishing the current step, so the host's work on plan N+1 (applying it,
-staging inputs, queueing kernels) overlaps the device's work on step N. Every plan gets
+It launches a plan as soon as it arrives, before finishing the steps still running, so the
+host's work on plan N+1 (applying it, staging inputs, queueing kernels) overlaps the
+device's work on step N; with token feedback (PP>1) rank 0 holds a micro-batch's steps for
+a whole trip through the pipeline, and later micro-batches launch meanwhile. Every plan gets
 exactly one reply, in plan order: its result, or the error that stopped it.
 """
 from __future__ import annotations
 
 import threading
 import traceback
+from collections import deque
 from typing import Optional
 
 from ray_runtime.channel import ERROR, PLAN, RESULT, STOP, Channel, ChannelClosed, Listener
@@ -49,38 +51,36 @@ class StepLoop:
             chan.close()
 
     def _serve(self, chan: Channel) -> None:
-        pending = None  # a launched step whose device work was still running
+        # Launched steps not answered yet, in plan order; a launch that failed is its error
+        # text, answered in its turn. A plan is launched as soon as it arrives (the device
+        # gets the next step queued before the previous one is done); the oldest step is
+        # answered as soon as it is done. With as many steps out as the driver keeps in
+        # flight no plan can come before a reply: then the loop waits for the oldest step.
+        pending: deque = deque()
+        limit = self.runner.config.inflight_steps
         while True:
-            if pending is not None:
-                # Reply as soon as the step's device work is done, unless the next plan
-                # comes first: then launch that one before replying, to keep the device fed.
-                while not chan.readable(_POLL_S):
-                    if self.runner.step_done(pending):
-                        self._reply(chan, pending)
-                        pending = None
-                        break
+            while pending and (isinstance(pending[0], str) or self.runner.step_done(pending[0])):
+                self._reply(chan, pending.popleft())
+            if pending and len(pending) >= limit:
+                self._reply(chan, pending.popleft())  # waits for the device
+                continue
+            if pending and not chan.readable(_POLL_S):
+                continue
             kind, payload = chan.recv()
             if kind == STOP:
-                if pending is not None:
-                    self._reply(chan, pending)
+                while pending:
+                    self._reply(chan, pending.popleft())
                 return
             assert kind == PLAN, f"unexpected frame kind {kind}"
             try:
-                launched = self.runner.launch(decode_plan(payload))
+                pending.append(self.runner.launch(decode_plan(payload)))
             except Exception:  # noqa: BLE001 - reported to the driver, which decides
-                launched = None
-                error = _describe(self.runner.rank)
-            if pending is not None:
-                self._reply(chan, pending)
-                pending = None
-            if launched is None:
-                chan.send(ERROR, error.encode())
-            elif self.runner.step_done(launched):  # a ready result is never held back
-                self._reply(chan, launched)
-            else:
-                pending = launched
+                pending.append(_describe(self.runner.rank))
 
     def _reply(self, chan: Channel, launched) -> None:
+        if isinstance(launched, str):  # the launch failed: its error, in its turn
+            chan.send(ERROR, launched.encode())
+            return
         try:
             result = encode(self.runner.finish(launched))
         except Exception:  # noqa: BLE001

@@ -50,6 +50,7 @@ class DeferredSamples:
     generations: np.ndarray  # [n] the slots' generations at launch: a changed one drops its value
     incarnations: list[int]
     tokens: torch.Tensor  # [n] host (pinned on CUDA), valid once the step's event completed
+    on_device: torch.Tensor  # [n] the samples where they were made (the token feedback's source)
 
 
 @dataclass

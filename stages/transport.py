@@ -110,19 +110,37 @@ class StageTransport:
         self.last_sent_step: Optional[int] = None  # the last step sent on (data or failure)
         self._posted: Optional[tuple] = None  # (work, buffer, header): the next receive
         self._out: Optional[tuple] = None  # (buffer, header) the sender reuses
+        # The last rank -> rank 0 link of sampled tokens (stages/token_feedback.py): a group
+        # of its own, on rank 0 and the last rank only; None elsewhere or when unused.
+        self.feedback_group = None
 
     @classmethod
     def connect(cls, rank: int, world_size: int, device: str, store, timeout_s: float,
-                hidden_size: int, dtype: torch.dtype) -> "StageTransport":
+                hidden_size: int, dtype: torch.dtype, feedback: bool = False) -> "StageTransport":
         """Join the stages' process group through `store`. timeout_s bounds every transfer
         (the engine's step_timeout_s): a stage waiting on a neighbour that never sends fails
-        within it."""
+        within it. feedback: also form the last rank -> rank 0 token link (every rank takes
+        part in forming it), and exchange one message on it so that it is up before the
+        first step."""
         # Headers are host tensors: on GPU they travel over gloo, the activations over NCCL.
         backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
-        return cls(rank, world_size, device, dist.group.WORLD, hidden_size, dtype,
-                   owns_default_group=True)
+        transport = cls(rank, world_size, device, dist.group.WORLD, hidden_size, dtype,
+                        owns_default_group=True)
+        if feedback:
+            group = dist.new_group([0, world_size - 1], timeout=timedelta(seconds=timeout_s),
+                                   backend="nccl" if device == "cuda" else "gloo")
+            if rank in (0, world_size - 1):
+                transport.feedback_group = group
+                probe = torch.zeros(1, dtype=torch.long, device=device)
+                if rank == 0:
+                    group.recv([probe], 1, 0).wait()
+                else:
+                    group.send([probe], 0, 0).wait()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+        return transport
 
     # ---- receiving -----------------------------------------------------------------------
     def recv_from_prev(self, step_id: int, num_tokens: int) -> torch.Tensor:
@@ -213,4 +231,4 @@ class StageTransport:
             dist.destroy_process_group()  # tears down the pairs before the buffers go
         self._pending.clear()
         self._posted = self._out = None
-        self.group = None
+        self.group = self.feedback_group = None

@@ -1,0 +1,226 @@
+"""Sampled tokens from the last rank straight to rank 0, without a driver round trip.
+
+At PP>1 with async scheduling (EngineConfig.feeds_tokens_back) the driver plans a
+micro-batch's next step before the tokens of its running step are known: each of its decode
+requests runs on its pending sample (a placeholder), as at PP=1. Rank 0 must embed those
+tokens, so the last rank sends every step's samples to rank 0 over a link of their own (a
+process group apart from the activations', so its transfers never queue behind them), and
+rank 0 feeds them into the next step's input ids on the device. The driver still commits
+every token from the last rank's reply and sends it in a later plan: rank 0 lands the fed
+value in its row first (`finish`, before it replies to the step), so the driver's copy
+overlaps it and any disagreement is counted as a conflict, which the audit reports.
+
+Wire format: one int64 message per step that samples: the n tokens in the plan's sample
+order (the order every rank derives from the same plan), then the step id, checked when
+the message lands. Both ends know n from the plan, so the sizes always match. A last rank
+that fails a step sends -(step id + 1) instead, so rank 0 fails that step at once too.
+
+Receiving, on CUDA: the receive is posted when rank 0 launches the step; a side stream waits
+for it, scatters the tokens into `last_sampled` (one entry per slot), copies them to a
+pinned host buffer and records `ready`. Nothing on the compute stream waits unless a later
+step embeds one of those tokens: then that step waits for `ready` of the newest step it
+needs (the side stream runs in step order, so older steps are done too). On CPU a waiter
+thread waits for each receive in turn (a gloo receive reports completion only to a wait),
+so the step loop can ask whether a step's tokens are in without blocking.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from typing import Optional
+
+import numpy as np
+import torch
+
+FEEDBACK_TAG = 2
+SENDER, RECEIVER = 1, 0  # group-local ranks: the last rank and rank 0
+
+
+class FeedbackError(RuntimeError):
+    """The tokens that reached rank 0 are not the step's it expected."""
+
+
+class _Incoming:
+    __slots__ = ("step_id", "slots", "generations", "buf", "work", "ready", "host", "scattered",
+                 "arrived")
+
+    def __init__(self, step_id, slots, generations, buf, work) -> None:
+        self.step_id = step_id
+        self.slots = slots  # [n] host: the rank's slots, in the plan's sample order
+        self.generations = generations  # [n] at launch: a changed one drops its late value
+        self.buf = buf  # [n + 1] where the message lands
+        self.work = work
+        self.ready = None  # CUDA: the side stream's event after scatter and host copy
+        self.host = None  # CUDA: the pinned copy
+        self.scattered = False  # CPU: last_sampled written
+        self.arrived = threading.Event()  # CPU: set by the waiter thread once received
+
+
+def num_samples(plan) -> int:
+    """How many requests a plan samples for (those whose tokens reach the end of their known
+    prefix), from the plan alone: what both ends size a step's message by, when the rank's
+    own view of the plan is not at hand (a step that failed)."""
+    known = {n.req_id: len(n.token_ids) for n in plan.new_reqs}
+    start = {n.req_id: n.num_computed_tokens for n in plan.new_reqs}
+    for d in plan.cached_reqs:
+        known[d.req_id] = d.token_start + len(d.new_token_ids)
+        start[d.req_id] = d.num_computed_tokens
+    return sum(start[r] + n >= known[r]
+               for r, n in zip(plan.scheduled_req_ids, plan.num_scheduled_tokens))
+
+
+class TokenSender:
+    """The last rank's end: one message per step that samples."""
+
+    def __init__(self, group, device: str) -> None:
+        self.group = group
+        self.device = device
+        self._sends: deque = deque()  # (work, tensor): kept alive until the send completes
+        self.last_sent_step: Optional[int] = None
+
+    def send(self, step_id: int, tokens: torch.Tensor) -> None:
+        n = tokens.shape[0]
+        if n == 0:
+            return
+        msg = torch.empty(n + 1, dtype=torch.long, device=tokens.device)
+        msg[:n] = tokens
+        msg[n] = step_id
+        self._send(msg)
+        self.last_sent_step = step_id
+
+    def send_failure(self, step_id: int, n: int) -> None:
+        """This rank failed step_id, which samples n requests: rank 0 fails it too."""
+        if n and self.last_sent_step != step_id:
+            self.last_sent_step = step_id
+            self._send(torch.full((n + 1,), -(step_id + 1), dtype=torch.long, device=self.device))
+
+    def _send(self, msg: torch.Tensor) -> None:
+        # NCCL reports a send's completion; a gloo send does only to a wait (and completes
+        # without the receiver: the message is buffered there).
+        while self._sends and (self.device != "cuda" or self._sends[0][0].is_completed()):
+            self._sends.popleft()[0].wait()
+        self._sends.append((self.group.send([msg], RECEIVER, FEEDBACK_TAG), msg))
+
+
+class TokenReceiver:
+    """Rank 0's end: posts a receive per sampling step, feeds the tokens to the device buffer
+    that the input-id patch reads, and hands their values to the host when the step ends."""
+
+    def __init__(self, group, device: str, max_num_seqs: int) -> None:
+        self.group = group
+        self.device = device
+        # [max_num_seqs] each slot's latest fed sample (the patch reads a slot's entry only
+        # for a pending sample, which only its current tenant can have: invariant 3).
+        self.last_sampled = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
+        # [max_num_seqs] host: the step that made each slot's latest pending sample
+        self.pending_step = np.full(max_num_seqs, -1, np.int64)
+        self._incoming: deque[_Incoming] = deque()  # posted, in step order
+        self._stream = torch.cuda.Stream() if device == "cuda" else None
+        self._to_wait: Optional[queue.SimpleQueue] = None
+        if self._stream is None:
+            self._to_wait = queue.SimpleQueue()
+            threading.Thread(target=self._wait_in_turn, args=(self._to_wait,),
+                             name="token-feedback-waiter", daemon=True).start()
+
+    @staticmethod
+    def _wait_in_turn(to_wait: queue.SimpleQueue) -> None:
+        while True:
+            entry = to_wait.get()
+            if entry is None:
+                return
+            try:
+                entry.work.wait()
+            except Exception:  # noqa: BLE001 - the link was torn down: land() waits again and raises
+                pass
+            entry.arrived.set()
+
+    def close(self) -> None:
+        if self._to_wait is not None:
+            self._to_wait.put(None)
+
+    def post(self, step_id: int, slots: np.ndarray, generations: np.ndarray,
+             device_slots: Optional[torch.Tensor] = None) -> None:
+        """A launched step will sample `slots` (host) on the last rank; device_slots: the same
+        on the device (CUDA), valid on the current stream now."""
+        n = len(slots)
+        if n == 0:
+            return
+        buf = torch.empty(n + 1, dtype=torch.long, device=self.device)
+        work = self.group.recv([buf], SENDER, FEEDBACK_TAG)
+        entry = _Incoming(step_id, slots, generations, buf, work)
+        self.pending_step[slots] = step_id
+        if self._stream is not None:
+            # The staged slot indices are rewritten by later steps: keep this step's copy.
+            dev_slots = device_slots.clone()
+            compute = torch.cuda.current_stream()
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_stream(compute)
+                work.wait()  # this stream, not the host, waits for the message
+                self.last_sampled[dev_slots] = buf[:n]
+                entry.host = torch.empty(n + 1, dtype=torch.long, pin_memory=True)
+                entry.host.copy_(buf, non_blocking=True)
+                entry.ready = torch.cuda.Event()
+                entry.ready.record()
+            for t in (buf, dev_slots):
+                t.record_stream(self._stream)
+        else:
+            self._to_wait.put(entry)
+        self._incoming.append(entry)
+
+    def feed(self, patch_slots: np.ndarray) -> None:
+        """Before a step embeds the pending samples of `patch_slots` (read from last_sampled):
+        make the compute stream (CUDA) or the host (CPU) wait for the steps that made them."""
+        if not len(patch_slots) or not self._incoming:
+            return
+        needed = int(self.pending_step[patch_slots].max())
+        if self._stream is not None:
+            for entry in reversed(self._incoming):
+                if entry.step_id <= needed:
+                    torch.cuda.current_stream().wait_event(entry.ready)
+                    return
+            return
+        for entry in self._incoming:
+            if entry.step_id > needed:
+                break
+            self._scatter(entry)
+
+    def _scatter(self, entry: _Incoming) -> None:
+        if not entry.scattered:
+            entry.arrived.wait()
+            n = len(entry.slots)
+            self.last_sampled[torch.from_numpy(entry.slots)] = entry.buf[:n]
+            entry.scattered = True
+
+    def ready(self, step_id: int) -> bool:
+        """Whether land(step_id) would return without waiting."""
+        for entry in self._incoming:
+            if entry.step_id == step_id:
+                return entry.ready.query() if entry.ready is not None else entry.arrived.is_set()
+            if entry.step_id > step_id:
+                break
+        return True
+
+    def land(self, step_id: int, batch) -> None:
+        """The step's fed tokens into the rows (InputBatch.land_samples), in step order; a
+        step that sampled nothing has no message."""
+        while self._incoming and self._incoming[0].step_id <= step_id:
+            entry = self._incoming.popleft()
+            if entry.ready is not None:
+                entry.ready.synchronize()
+                values = entry.host
+            else:
+                self._scatter(entry)
+                values = entry.buf
+            n = len(entry.slots)
+            got = int(values[n])
+            if got < 0 and -got - 1 == entry.step_id:
+                raise FeedbackError(f"the last rank failed step {entry.step_id} and sent no "
+                                    "tokens for it")
+            if got != entry.step_id:
+                raise FeedbackError(f"rank 0 expected step {entry.step_id}'s sampled tokens from "
+                                    f"the last rank, but they are step {got}'s: refused")
+            batch.land_samples(entry.slots, entry.generations, values[:n].numpy().copy())
+
+    def num_posted(self) -> int:
+        return len(self._incoming)
