@@ -1,10 +1,13 @@
 """PP scaling on a Llama-3-8B-shaped model (32 layers, hidden 4096, intermediate 14336,
 32 heads, 8 KV heads, vocab 128256), random bf16 weights: PP=1 on one GPU vs PP=2 on two,
-one saturating workload. pp{N}_scaling_efficiency = tput(PP=N) / (N x tput(PP=1)), async;
-async_speedup at PP=N = tput(async) / tput(sync), where both modes ran.
+saturating workloads (one per --output-len, on the same engine). pp{N}_out{L}_scaling_efficiency
+= tput(PP=N) / (N x tput(PP=1)), async, with token feedback (and _no_feedback: each token
+through the driver, side by side in the same run); async_speedup = tput(async) / tput(sync)
+where both modes ran. Per stage: the GPU's idle fraction (1 - its compute spans / wall time)
+and the stage loop's.
 
-  python bench/pp_scaling.py [--requests 256] [--input-len 256] [--output-len 128] [--pp 1 2 4]
-                             [--modes async sync] [--tag h200x4]
+  python bench/pp_scaling.py [--requests 256] [--input-len 256] [--output-len 128 512] [--pp 1 2 4]
+                             [--feedback on off] [--modes async sync] [--trace-dir DIR] [--tag h200x2]
 """
 from __future__ import annotations
 
@@ -20,7 +23,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.common import gpu_ray_env, idle_fractions_between, save  # noqa: E402
-from ray_runtime.config import default_inflight_steps  # noqa: E402
 
 SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
              num_key_value_heads=8, vocab_size=128256, head_dim=128)
@@ -71,13 +73,17 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, nargs="+", default=[128, 512],
+                   help="one workload per value, each run on the same engine")
     p.add_argument("--pp", type=int, nargs="+", default=[1, 2])
     p.add_argument("--path", default="/tmp/ray_runtime_gpu/llama3_8b_random")
     p.add_argument("--modes", nargs="+", default=["async"], choices=["async", "sync"])
+    p.add_argument("--feedback", nargs="+", default=["on", "off"], choices=["on", "off"],
+                   help="PP>1 async: the last rank feeds sampled tokens to rank 0 (on), or "
+                        "each token goes through the driver (off), side by side")
     p.add_argument("--tag", default="")
     p.add_argument("--inflight", type=int, nargs="+", default=[0],
-                   help="max_inflight_steps values to run at PP>1 (0: the default, one per stage)")
+                   help="max_inflight_steps values to run at PP>1 (0: the default)")
     p.add_argument("--trace-dir", default=None, help="write a pipeline trace per run there")
     args = p.parse_args()
     import ray
@@ -91,48 +97,59 @@ def main() -> None:
     rng = random.Random(0)
     reqs = [{"prompt_token_ids": [rng.randrange(3, 128000) for _ in range(args.input_len)]}
             for _ in range(args.requests)]
-    sp = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     rows = []
-    runs = [(pp, m, n) for pp in args.pp for m in args.modes
+    runs = [(pp, m, fb, n) for pp in args.pp for m in args.modes
+            for fb in (args.feedback if pp > 1 and m == "async" else ["on"])
             for n in (args.inflight if pp > 1 and m == "async" else [0])]
-    for pp, mode, inflight in runs:
-        blocks = args.requests * ((args.input_len + args.output_len) // 16 + 2)
+    longest = max(args.output_len)
+    for pp, mode, fb, inflight in runs:
+        blocks = args.requests * ((args.input_len + longest) // 16 + 2)
+        name = f"pp{pp}_{mode}" + (f"_feedback_{fb}" if pp > 1 and mode == "async" else "")
         with LLM(model, pipeline_parallel_size=pp, device="cuda", dtype="bfloat16",
                  max_num_seqs=args.requests, max_num_batched_tokens=8192, num_kv_blocks=blocks,
-                 max_model_len=args.input_len + args.output_len + 16,
+                 max_model_len=args.input_len + longest + 16,
                  async_scheduling=mode == "async", max_inflight_steps=inflight or None,
-                 trace_file=os.path.join(args.trace_dir, f"trace_pp{pp}_{mode}.json")
+                 pp_token_feedback=fb == "on",
+                 trace_file=os.path.join(args.trace_dir, f"trace_{name}.json")
                  if args.trace_dir else None) as llm:
             llm.generate(reqs[:2], SamplingParams(max_tokens=2))
-            b = llm.stats()
-            t0 = time.perf_counter()
-            llm.generate(reqs, sp)
-            el = time.perf_counter() - t0
-            st = llm.stats()
-        idle = idle_fractions_between(b, st)
-        rows.append({"pp": pp, "async": mode == "async", "max_inflight_steps": inflight or default_inflight_steps(pp),
-                     "elapsed_s": round(el, 2),
-                     "output_tok_s": round(args.requests * args.output_len / el, 1),
-                     "steps": st["num_steps"] - b["num_steps"], "stage_idle_fraction": idle,
-                     "driver_s": {k: round(st[f"driver_{k}_s"] - b[f"driver_{k}_s"], 3)
-                                  for k in ("plan", "wait", "audit")}})
-        print(rows[-1], flush=True)
+            for out_len in args.output_len:
+                sp = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+                b = llm.stats()
+                t0 = time.perf_counter()
+                llm.generate(reqs, sp)
+                el = time.perf_counter() - t0
+                st = llm.stats()
+                gpu_busy = [a - z for a, z in zip(st["stage_gpu_busy_s"], b["stage_gpu_busy_s"])]
+                rows.append({
+                    "pp": pp, "async": mode == "async", "feedback": fb == "on" and pp > 1
+                    and mode == "async", "output_len": out_len,
+                    "max_inflight_steps": inflight or llm.config.inflight_steps,
+                    "elapsed_s": round(el, 2),
+                    "output_tok_s": round(args.requests * out_len / el, 1),
+                    "steps": st["num_steps"] - b["num_steps"],
+                    # the device's view: 1 - (compute spans of the stage's steps) / wall time
+                    "stage_gpu_idle_fraction": [round(1 - g / el, 3) for g in gpu_busy],
+                    # the stage loop's view: time between steps and waiting for activations
+                    "stage_idle_fraction": idle_fractions_between(b, st),
+                    "driver_s": {k: round(st[f"driver_{k}_s"] - b[f"driver_{k}_s"], 3)
+                                 for k in ("plan", "wait", "audit")}})
+                print(rows[-1], flush=True)
     result = {"model": {"shape": "Llama-3-8B", **SHAPE, "dtype": "bfloat16", "weights": "random"},
               "workload": {"requests": args.requests, "input_len": args.input_len,
                            "output_len": args.output_len, "ignore_eos": True}, "rows": rows}
-    # The default micro-batching is what the efficiency figures use.
-    tput = {(r["pp"], r["async"]): r["output_tok_s"] for r in rows
-            if not r["async"] or r["max_inflight_steps"] == default_inflight_steps(r["pp"])}
+    base = {(r["output_len"]): r["output_tok_s"] for r in rows if r["pp"] == 1 and r["async"]}
     for r in rows:
-        if r["async"] and r["max_inflight_steps"] != default_inflight_steps(r["pp"]) \
-                and (1, True) in tput:
-            result[f"pp{r['pp']}_scaling_efficiency_inflight{r['max_inflight_steps']}"] = round(
-                r["output_tok_s"] / (r["pp"] * tput[(1, True)]), 3)
-    for pp in args.pp:
-        if pp > 1 and (1, True) in tput and (pp, True) in tput:
-            result[f"pp{pp}_scaling_efficiency"] = round(tput[(pp, True)] / (pp * tput[(1, True)]), 3)
-        if (pp, True) in tput and (pp, False) in tput:
-            result[f"async_speedup_pp{pp}"] = round(tput[(pp, True)] / tput[(pp, False)], 3)
+        if r["pp"] > 1 and r["async"] and r["output_len"] in base:
+            key = f"pp{r['pp']}_out{r['output_len']}" + ("" if r["feedback"] else "_no_feedback") \
+                + (f"_inflight{r['max_inflight_steps']}" if args.inflight != [0] else "")
+            result[key + "_scaling_efficiency"] = round(
+                r["output_tok_s"] / (r["pp"] * base[r["output_len"]]), 3)
+    sync = {(r["pp"], r["output_len"]): r["output_tok_s"] for r in rows if not r["async"]}
+    for r in rows:
+        if r["async"] and r["feedback"] == (r["pp"] > 1) and (r["pp"], r["output_len"]) in sync:
+            result[f"async_speedup_pp{r['pp']}_out{r['output_len']}"] = round(
+                r["output_tok_s"] / sync[(r["pp"], r["output_len"])], 3)
     print({k: v for k, v in result.items() if "efficiency" in k or "speedup" in k})
     ray.shutdown()
     print("wrote", save("pp_scaling" + (f"_{args.tag}" if args.tag else ""), result))

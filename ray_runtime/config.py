@@ -88,6 +88,9 @@ class EngineConfig:
     # on its pending samples, which the last rank feeds straight back to rank 0), or one per
     # stage with speculative decoding (a request then waits for its token and drafts).
     max_inflight_steps: Optional[int] = None
+    # PP>1 async: the last rank sends its samples straight to rank 0 (off: a request waits
+    # for the driver to send its token, the layout before; for comparisons and debugging)
+    pp_token_feedback: bool = True
     on_mismatch: str = "repair"  # what the driver does when a rank's digest disagrees: or "raise"
     trace_file: Optional[str] = None  # Chrome trace / Perfetto JSON of the pipeline
     placement_strategy: str = "PACK"
@@ -149,7 +152,7 @@ class EngineConfig:
         to rank 0 (stages/token_feedback.py), so a micro-batch's next step is planned on its
         pending samples and never waits for a driver round trip (docs/design.md)."""
         return (self.pipeline_parallel_size > 1 and self.async_scheduling
-                and self.speculative_config is None)
+                and self.speculative_config is None and self.pp_token_feedback)
 
     @property
     def num_microbatches(self) -> int:
@@ -191,6 +194,8 @@ class EngineConfig:
             raise bad("max_stage_restarts", f"must be an integer >= 0, got {self.max_stage_restarts!r}")
         if not self.step_timeout_s > 0:
             raise bad("step_timeout_s", f"must be > 0, got {self.step_timeout_s}")
+        if not isinstance(self.pp_token_feedback, bool):
+            raise bad("pp_token_feedback", f"must be a bool, got {self.pp_token_feedback!r}")
         if not isinstance(self.disable_log_stats, bool):
             raise bad("disable_log_stats", f"must be a bool, got {self.disable_log_stats!r}")
         if self.address is not None and (not isinstance(self.address, str) or not self.address):

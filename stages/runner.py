@@ -212,7 +212,6 @@ class StageRunner:
             self.batch.check()
         view = plan_view(plan, self.batch)  # what each request runs: read by inputs and digests
         inputs = self.prepare_inputs(view)
-        gpu_start = self._record_event()
         if self.is_first:
             x = inputs.device.token_ids
             if len(inputs.patch_index):  # pending samples: their ids never left the device
@@ -221,6 +220,9 @@ class StageRunner:
         else:
             x = self.transport.recv_from_prev(plan.step_id, inputs.num_tokens)
         recv_done = time.time()
+        # After the device's waits for this step's inputs (activations, fed-back tokens),
+        # in stream order: the span from here to gpu_end is the stage's own compute.
+        gpu_start = self._record_event()
         hidden = self._forward(x, inputs.meta)
         # While the device runs the step: the digests of the rows as the plan left them.
         t_digest = time.perf_counter()
