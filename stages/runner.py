@@ -183,21 +183,36 @@ class StageRunner:
     def _fail_downstream(self, plan: StepPlan) -> None:
         """A failed step still answers the next rank (a failure header instead of the
         activations), or with token feedback rank 0 (a failure message instead of the
-        samples), so it fails at once instead of waiting out a timeout."""
+        samples), so it fails at once instead of waiting out a timeout; and it still takes
+        its one message from the previous rank (and rank 0 from the last), so that rank's
+        later sends do not wait on it."""
         step_id = plan.step_id
+        if self.token_receiver is not None:  # rank 0: the last rank sends one message for it
+            try:
+                self.token_receiver.post_discard(step_id, num_samples(plan))
+            except Exception as e:  # noqa: BLE001
+                logger.warning("rank 0: could not post the receive of failed step %d: %s",
+                               step_id, e)
         if self.token_sender is not None:
             try:
                 self.token_sender.send_failure(step_id, num_samples(plan))
             except Exception as e:  # noqa: BLE001
                 logger.warning("rank %d: could not tell rank 0 that step %d failed: %s",
                                self.rank, step_id, e)
-        if self.transport is None or self.is_last:
+        if self.transport is None:
             return
-        try:
-            self.transport.send_failure(step_id)
-        except Exception as e:  # noqa: BLE001 - the step's own error is the one to report
-            logger.warning("rank %d: could not tell rank %d that step %d failed: %s",
-                           self.rank, self.rank + 1, step_id, e)
+        if not self.is_last:
+            try:
+                self.transport.send_failure(step_id)
+            except Exception as e:  # noqa: BLE001 - the step's own error is the one to report
+                logger.warning("rank %d: could not tell rank %d that step %d failed: %s",
+                               self.rank, self.rank + 1, step_id, e)
+        if not self.is_first:
+            try:
+                self.transport.discard_from_prev(step_id)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("rank %d: could not take step %d's message from rank %d: %s",
+                               self.rank, step_id, self.rank - 1, e)
 
     @torch.inference_mode()
     def _launch(self, plan: StepPlan) -> "LaunchedStep":

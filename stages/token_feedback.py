@@ -43,7 +43,7 @@ class FeedbackError(RuntimeError):
 
 class _Incoming:
     __slots__ = ("step_id", "slots", "generations", "buf", "work", "ready", "host", "scattered",
-                 "arrived")
+                 "arrived", "discard")
 
     def __init__(self, step_id, slots, generations, buf, work) -> None:
         self.step_id = step_id
@@ -55,6 +55,7 @@ class _Incoming:
         self.host = None  # CUDA: the pinned copy
         self.scattered = False  # CPU: last_sampled written
         self.arrived = threading.Event()  # CPU: set by the waiter thread once received
+        self.discard = False  # a step rank 0 failed itself: its message is received, unread
 
 
 def num_samples(plan) -> int:
@@ -96,8 +97,9 @@ class TokenSender:
             self._send(torch.full((n + 1,), -(step_id + 1), dtype=torch.long, device=self.device))
 
     def _send(self, msg: torch.Tensor) -> None:
-        # NCCL reports a send's completion; a gloo send does only to a wait (and completes
-        # without the receiver: the message is buffered there).
+        # NCCL reports a send's completion; a gloo send does only to a wait, and completes
+        # only once rank 0 has posted the matching receive (it does so when it launches the
+        # step, before this rank can run it; for a step it failed itself, in post_discard).
         while self._sends and (self.device != "cuda" or self._sends[0][0].is_completed()):
             self._sends.popleft()[0].wait()
         self._sends.append((self.group.send([msg], RECEIVER, FEEDBACK_TAG), msg))
@@ -116,6 +118,7 @@ class TokenReceiver:
         # [max_num_seqs] host: the step that made each slot's latest pending sample
         self.pending_step = np.full(max_num_seqs, -1, np.int64)
         self._incoming: deque[_Incoming] = deque()  # posted, in step order
+        self.failed: Optional[str] = None  # set once a message is not what its step expected
         self._stream = torch.cuda.Stream() if device == "cuda" else None
         self._to_wait: Optional[queue.SimpleQueue] = None
         if self._stream is None:
@@ -157,7 +160,9 @@ class TokenReceiver:
             with torch.cuda.stream(self._stream):
                 self._stream.wait_stream(compute)
                 work.wait()  # this stream, not the host, waits for the message
-                self.last_sampled[dev_slots] = buf[:n]
+                # A failure message's values are negative: never an embedding index (a
+                # device-side assert would end the process); land() raises for that step.
+                self.last_sampled[dev_slots] = buf[:n].clamp(min=0)
                 entry.host = torch.empty(n + 1, dtype=torch.long, pin_memory=True)
                 entry.host.copy_(buf, non_blocking=True)
                 entry.ready = torch.cuda.Event()
@@ -168,9 +173,34 @@ class TokenReceiver:
             self._to_wait.put(entry)
         self._incoming.append(entry)
 
+    def post_discard(self, step_id: int, n: int) -> None:
+        """Rank 0 failed step_id (which samples n requests) before posting its receive: the
+        last rank still sends one message for it (its failure), so receive that and drop it.
+        Every sampling step gets exactly one message and one receive, so the link stays
+        aligned and no send waits for a receive that never comes."""
+        if n == 0 or any(e.step_id == step_id for e in self._incoming):
+            return
+        buf = torch.empty(n + 1, dtype=torch.long, device=self.device)
+        entry = _Incoming(step_id, np.empty(0, np.int64), np.empty(0, np.int64), buf,
+                          self.group.recv([buf], SENDER, FEEDBACK_TAG))
+        entry.discard = True
+        if self._stream is not None:
+            compute = torch.cuda.current_stream()
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_stream(compute)
+                entry.work.wait()
+                entry.ready = torch.cuda.Event()
+                entry.ready.record()
+            buf.record_stream(self._stream)
+        else:
+            self._to_wait.put(entry)
+        self._incoming.append(entry)
+
     def feed(self, patch_slots: np.ndarray) -> None:
         """Before a step embeds the pending samples of `patch_slots` (read from last_sampled):
         make the compute stream (CUDA) or the host (CPU) wait for the steps that made them."""
+        if self.failed is not None:
+            raise FeedbackError(self.failed)
         if not len(patch_slots) or not self._incoming:
             return
         needed = int(self.pending_step[patch_slots].max())
@@ -189,8 +219,23 @@ class TokenReceiver:
         if not entry.scattered:
             entry.arrived.wait()
             n = len(entry.slots)
+            if not entry.discard:
+                self._check(entry, int(entry.buf[n]))
             self.last_sampled[torch.from_numpy(entry.slots)] = entry.buf[:n]
             entry.scattered = True
+
+    def _check(self, entry: _Incoming, got: int) -> None:
+        """The message carries entry's step id, or rank 0 fails: that step, and every later
+        one that lands or feeds on this link (it is out of step until the driver resets it)."""
+        if self.failed is None:
+            if got < 0 and -got - 1 == entry.step_id:
+                self.failed = (f"the last rank failed step {entry.step_id} and sent no tokens "
+                               "for it")
+            elif got != entry.step_id:
+                self.failed = (f"rank 0 expected step {entry.step_id}'s sampled tokens from the "
+                               f"last rank, but they are step {got}'s: refused")
+        if self.failed is not None:
+            raise FeedbackError(self.failed)
 
     def ready(self, step_id: int) -> bool:
         """Whether land(step_id) would return without waiting."""
@@ -204,8 +249,16 @@ class TokenReceiver:
     def land(self, step_id: int, batch) -> None:
         """The step's fed tokens into the rows (InputBatch.land_samples), in step order; a
         step that sampled nothing has no message."""
+        if self.failed is not None:
+            raise FeedbackError(self.failed)
         while self._incoming and self._incoming[0].step_id <= step_id:
             entry = self._incoming.popleft()
+            if entry.discard:  # a step rank 0 failed: whatever came for it is dropped
+                if entry.ready is not None:
+                    entry.ready.synchronize()
+                else:
+                    entry.arrived.wait()
+                continue
             if entry.ready is not None:
                 entry.ready.synchronize()
                 values = entry.host
@@ -213,13 +266,7 @@ class TokenReceiver:
                 self._scatter(entry)
                 values = entry.buf
             n = len(entry.slots)
-            got = int(values[n])
-            if got < 0 and -got - 1 == entry.step_id:
-                raise FeedbackError(f"the last rank failed step {entry.step_id} and sent no "
-                                    "tokens for it")
-            if got != entry.step_id:
-                raise FeedbackError(f"rank 0 expected step {entry.step_id}'s sampled tokens from "
-                                    f"the last rank, but they are step {got}'s: refused")
+            self._check(entry, int(values[n]))
             batch.land_samples(entry.slots, entry.generations, values[:n].numpy().copy())
 
     def num_posted(self) -> int:

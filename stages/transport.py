@@ -108,6 +108,7 @@ class StageTransport:
         self._owns_default_group = owns_default_group
         self._pending: list = []  # (work, tensor) of the last step's sends, kept alive
         self.last_sent_step: Optional[int] = None  # the last step sent on (data or failure)
+        self.received_step: Optional[int] = None  # the step the last message was taken for
         self._posted: Optional[tuple] = None  # (work, buffer, header): the next receive
         self._out: Optional[tuple] = None  # (buffer, header) the sender reuses
         # The last rank -> rank 0 link of sampled tokens (stages/token_feedback.py): a group
@@ -148,13 +149,37 @@ class StageTransport:
         of this shape. Refused: StepMismatch, or UpstreamFailed (the sender failed the step);
         either way the message was received whole, and the link stays aligned."""
         src = self.rank - 1
-        work, buf, header = self._posted or self._post_header()
-        work.wait()
-        self._posted = self._post_header()  # the next message will not wait to be asked for
-        got_step, status, got_tokens, got_hidden = header.tolist()
+        got_step, status, got_tokens, got_hidden, acts = self._take(step_id)
         if status == FAILED:
             raise UpstreamFailed(f"rank {self.rank}: rank {src} failed step {got_step} and sent "
                                  f"no activations (this rank was at step {step_id})")
+        if (got_step, got_tokens) != (step_id, num_tokens):
+            raise StepMismatch(
+                f"rank {self.rank} expected step {step_id}'s activations ({num_tokens} tokens x "
+                f"{self.hidden_size}) from rank {src}, but rank {src} sent step {got_step}'s "
+                f"({got_tokens} tokens x {got_hidden}): the link is out of step; refused")
+        return acts
+
+    def discard_from_prev(self, step_id: int) -> None:
+        """This rank failed step_id before it took the step's message: take it now and drop
+        it, unless it already did. Every step takes exactly one message from rank - 1 (its
+        activations or its failure), so the link stays aligned and the sender's next send
+        never waits for a receive that does not come (a gloo send completes only once its
+        receive is posted)."""
+        if self.received_step != step_id:
+            self._take(step_id)
+
+    def _take(self, step_id: int) -> tuple:
+        """The next message from rank - 1, whole: (step, status, tokens, hidden, activations
+        or None), taken on behalf of step_id."""
+        src = self.rank - 1
+        work, buf, header = self._posted or self._post_header()
+        work.wait()
+        self.received_step = step_id
+        self._posted = self._post_header()  # the next message will not wait to be asked for
+        got_step, status, got_tokens, got_hidden = header.tolist()
+        if status == FAILED:
+            return got_step, status, got_tokens, got_hidden, None
         if (status not in (INLINE, FOLLOWS) or got_hidden != self.hidden_size
                 or (status == INLINE and got_tokens > self.inline_rows)):
             raise LinkError(f"rank {self.rank}: a malformed header from rank {src}: step "
@@ -164,12 +189,7 @@ class StageTransport:
         else:
             acts = torch.empty((got_tokens, got_hidden), dtype=self.dtype, device=self.device)
             self.group.recv([acts], src, BULK_TAG).wait()
-        if (got_step, got_tokens) != (step_id, num_tokens):
-            raise StepMismatch(
-                f"rank {self.rank} expected step {step_id}'s activations ({num_tokens} tokens x "
-                f"{self.hidden_size}) from rank {src}, but rank {src} sent step {got_step}'s "
-                f"({got_tokens} tokens x {got_hidden}): the link is out of step; refused")
-        return acts
+        return got_step, status, got_tokens, got_hidden, acts
 
     def _post_header(self) -> tuple:
         buf, header = self._rows()

@@ -38,6 +38,9 @@ def test_greedy_equals_hf_under_stress(ray_cluster, tiny_model, arch, pp, async_
                                   async_scheduling=async_scheduling)
     assert stats["num_preemptions"] > 0, "the KV cap was meant to force preemption"
     assert stats["num_generated_tokens"] >= sum(budgets)
+    # Async plans decode steps on pending samples (at PP>1 the last rank feeds them straight
+    # to rank 0: stages/token_feedback.py); sync never does.
+    assert (stats["num_placeholder_tokens"] > 0) == async_scheduling, stats
     assert ties <= 1, f"{ties} tie-excused divergences: suspicious for float32"
 
 
@@ -67,14 +70,17 @@ def test_eos_stops_unless_ignored(ray_cluster, tiny_model):
     assert stopped > 0, "workload meant to contain EOS stops"
 
 
-@pytest.mark.parametrize("pp,inflight", [(2, 3), (3, 2)])
-def test_micro_batch_count_keeps_outputs(ray_cluster, tiny_model, pp, inflight):
-    """max_inflight_steps sets how many micro-batches the requests split into at PP>1: fewer
-    or more than the default (one per stage); the outputs must not care."""
+@pytest.mark.parametrize("pp,inflight,feedback", [(2, 3, True), (3, 2, False)])
+def test_micro_batch_count_keeps_outputs(ray_cluster, tiny_model, pp, inflight, feedback):
+    """Fewer or more steps in flight than the default (2 x PP with token feedback: a lane's
+    next step rides on its fed-back samples; PP without it: each request waits for its token
+    through the driver, so the steps in flight are the micro-batches); the outputs must not
+    care."""
     model = tiny_model("llama")
     prompts, budgets = stress_workload(seed=20 + inflight, num_requests=20)
     stats, ties = run_and_compare(model, pp, prompts, budgets, max_num_seqs=16,
                                   max_num_batched_tokens=32, num_kv_blocks=30,
-                                  max_inflight_steps=inflight)
+                                  max_inflight_steps=inflight, pp_token_feedback=feedback)
     assert stats["num_preemptions"] > 0
+    assert (stats["num_placeholder_tokens"] > 0) == feedback, stats
     assert ties <= 1

@@ -150,3 +150,28 @@ def _view(b: InputBatch, req_id: str, known: int):
     slot = b.req_id_to_slot[req_id]
     one = lambda v: np.array([v], np.int64)  # noqa: E731
     return PlanView([req_id], one(slot), one(known - 1), one(1), one(known), one(0), one(known))
+
+
+def test_a_step_rank0_failed_keeps_the_link_aligned(link):
+    """Rank 0 fails step 20 before it posts the step's receive; the last rank still sends
+    the step's failure. Rank 0 receives and drops it (post_discard), so the last rank's next
+    send does not wait for a receive that never comes, and step 21's tokens land. Without
+    the discard the failure message would sit unreceived (a gloo send completes only once
+    its receive is posted) and step 21's receive would get step 20's message."""
+    receiver, sender = link
+    b = batch_with({"a": [5, 6], "b": [7, 8, 9]})
+    slots = np.array([b.req_id_to_slot[r] for r in ("a", "b")], np.int64)
+    receiver.post_discard(20, 2)
+    receiver.post_discard(20, 2)  # once per step
+    assert receiver.num_posted() == 1
+    sender.send_failure(20, 2)
+    gens = b.expect_samples(slots)
+    receiver.post(21, slots, gens)
+    sent = threading.Thread(target=sender.send, args=(21, torch.tensor([50, 51])))
+    sent.start()
+    sent.join(3)
+    assert not sent.is_alive(), "the last rank's send waited on step 20's"
+    receiver.land(21, b)
+    assert b.token_ids[slots[0], 2] == 50 and b.token_ids[slots[1], 3] == 51
+    assert receiver.num_posted() == 0
+    b.check()

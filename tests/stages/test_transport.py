@@ -153,3 +153,21 @@ def test_rendezvous_store_listens_on_the_given_address_only():
     client = connect_rendezvous("127.0.0.1", port)
     client.set("k", "v")
     assert store.get("k") == b"v"
+
+
+def test_a_step_failed_before_its_receive_still_takes_its_message(link):
+    """The receiver fails step 3 before it reads the step's activations (its plan did not
+    apply): discard_from_prev takes and drops them, so step 4 gets its own (no StepMismatch)
+    and the sender's next sends never wait on a receive that does not come. Taking a message
+    once per step: a step refused on receipt is not taken again."""
+    sender, receiver = link
+    sender.send_to_next(3, acts(3, 6))
+    receiver.discard_from_prev(3)
+    sender.send_to_next(4, acts(4, 2))  # waits for step 3's sends: they were received
+    assert torch.equal(receiver.recv_from_prev(4, 2), acts(4, 2))
+    sender.send_to_next(5, acts(5, 7))
+    with pytest.raises(StepMismatch):
+        receiver.recv_from_prev(6, 7)  # step 5's message, taken on step 6's behalf
+    receiver.discard_from_prev(6)  # already took one: nothing more
+    sender.send_to_next(7, acts(7, 1))
+    assert torch.equal(receiver.recv_from_prev(7, 1), acts(7, 1))
