@@ -32,10 +32,14 @@ class LastRank:
         # [max_num_seqs] each slot's latest sample, written by the device; read only for a
         # slot with a pending sample, which only its current tenant can have (invariant 3).
         self.last_sampled = torch.zeros(config.max_num_seqs, dtype=torch.long, device=self.device)
-        # Two pinned host buffers, alternating by step: a copy still in flight is never
-        # overwritten by the next step's (invariant 2).
+        # Pinned host buffers, a ring one longer than the steps this rank keeps in flight
+        # (the step loop's limit): a copy not yet read by its step's finish is never
+        # overwritten by a later step's (invariant 2).
         self._pinned_tokens = [torch.zeros(config.max_num_seqs, dtype=torch.long,
-                                           pin_memory=self.device == "cuda") for _ in range(2)]
+                                           pin_memory=self.device == "cuda")
+                               for _ in range(config.inflight_steps + 1)] \
+            if self.device == "cuda" else []
+        self._pinned_at = 0
 
     def sample_step(self, step_id: int, hidden: torch.Tensor, inputs: StepInputs,
                     step: LaunchedStep) -> None:
@@ -71,7 +75,8 @@ class LastRank:
         self.last_sampled[inputs.device.sample_slots] = tokens
         n = len(slots)
         if self.device == "cuda":
-            host = self._pinned_tokens[step.step_id % 2][:n]  # double-buffered (invariant 2)
+            self._pinned_at = (self._pinned_at + 1) % len(self._pinned_tokens)
+            host = self._pinned_tokens[self._pinned_at][:n]  # a ring (invariant 2)
             host.copy_(tokens, non_blocking=True)
             step.tokens_ready = torch.cuda.Event()
             step.tokens_ready.record()

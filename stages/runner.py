@@ -151,7 +151,8 @@ class StageRunner:
             if group is not None and self.is_last:
                 self.token_sender = TokenSender(group, self.device)
             elif group is not None and self.is_first:
-                self.token_receiver = TokenReceiver(group, self.device, cfg.max_num_seqs)
+                self.token_receiver = TokenReceiver(group, self.device, cfg.max_num_seqs,
+                                                    cfg.inflight_steps)
             self.link_generation += 1
 
     def close_transport(self) -> None:

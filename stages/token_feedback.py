@@ -25,6 +25,7 @@ so the step loop can ask whether a step's tokens are in without blocking.
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections import deque
@@ -42,8 +43,8 @@ class FeedbackError(RuntimeError):
 
 
 class _Incoming:
-    __slots__ = ("step_id", "slots", "generations", "buf", "work", "ready", "host", "scattered",
-                 "arrived", "discard")
+    __slots__ = ("step_id", "slots", "generations", "buf", "work", "ready", "fed", "host",
+                 "scattered", "arrived", "discard")
 
     def __init__(self, step_id, slots, generations, buf, work) -> None:
         self.step_id = step_id
@@ -52,6 +53,7 @@ class _Incoming:
         self.buf = buf  # [n + 1] where the message lands
         self.work = work
         self.ready = None  # CUDA: the side stream's event after scatter and host copy
+        self.fed = None  # CUDA: the side stream's event after the scatter
         self.host = None  # CUDA: the pinned copy
         self.scattered = False  # CPU: last_sampled written
         self.arrived = threading.Event()  # CPU: set by the waiter thread once received
@@ -109,7 +111,7 @@ class TokenReceiver:
     """Rank 0's end: posts a receive per sampling step, feeds the tokens to the device buffer
     that the input-id patch reads, and hands their values to the host when the step ends."""
 
-    def __init__(self, group, device: str, max_num_seqs: int) -> None:
+    def __init__(self, group, device: str, max_num_seqs: int, max_inflight_steps: int = 1) -> None:
         self.group = group
         self.device = device
         # [max_num_seqs] each slot's latest fed sample (the patch reads a slot's entry only
@@ -120,6 +122,13 @@ class TokenReceiver:
         self._incoming: deque[_Incoming] = deque()  # posted, in step order
         self.failed: Optional[str] = None  # set once a message is not what its step expected
         self._stream = torch.cuda.Stream() if device == "cuda" else None
+        if self._stream is not None:
+            # Written on the side stream: its memory is not reused before that work is done.
+            self.last_sampled.record_stream(self._stream)
+            # Pinned host copies, a ring longer than the steps rank 0 keeps unlanded.
+            self._pinned = [torch.empty(max_num_seqs + 1, dtype=torch.long, pin_memory=True)
+                            for _ in range(max_inflight_steps + 2)]
+            self._pinned_at = 0
         self._to_wait: Optional[queue.SimpleQueue] = None
         if self._stream is None:
             self._to_wait = queue.SimpleQueue()
@@ -150,28 +159,50 @@ class TokenReceiver:
         if n == 0:
             return
         buf = torch.empty(n + 1, dtype=torch.long, device=self.device)
-        work = self.group.recv([buf], SENDER, FEEDBACK_TAG)
-        entry = _Incoming(step_id, slots, generations, buf, work)
+        entry = self._register(step_id, slots, generations, buf)
         self.pending_step[slots] = step_id
-        if self._stream is not None:
-            # The staged slot indices are rewritten by later steps: keep this step's copy.
-            dev_slots = device_slots.clone()
-            compute = torch.cuda.current_stream()
-            with torch.cuda.stream(self._stream):
-                self._stream.wait_stream(compute)
-                work.wait()  # this stream, not the host, waits for the message
-                # A failure message's values are negative: never an embedding index (a
-                # device-side assert would end the process); land() raises for that step.
-                self.last_sampled[dev_slots] = buf[:n].clamp(min=0)
-                entry.host = torch.empty(n + 1, dtype=torch.long, pin_memory=True)
-                entry.host.copy_(buf, non_blocking=True)
-                entry.ready = torch.cuda.Event()
-                entry.ready.record()
-            for t in (buf, dev_slots):
-                t.record_stream(self._stream)
-        else:
+        if self._stream is None:
             self._to_wait.put(entry)
+            return
+        # The staged slot indices are rewritten by later steps: keep this step's copy.
+        dev_slots = device_slots.clone()
+        with self._on_side_stream(entry):
+            # A failure message's values are negative: never an embedding index (a
+            # device-side assert would end the process); land() raises for that step.
+            self.last_sampled[dev_slots] = buf[:n].clamp(min=0)
+            entry.fed = torch.cuda.Event()
+            entry.fed.record()  # what a step embedding these samples waits for
+            entry.host = self._next_pinned()[:n + 1]
+            entry.host.copy_(buf, non_blocking=True)
+        dev_slots.record_stream(self._stream)
+
+    def _register(self, step_id: int, slots: np.ndarray, generations: np.ndarray,
+                  buf: torch.Tensor) -> _Incoming:
+        """Post the step's receive and queue its entry at once: nothing can fail between
+        the two, so a step never gets a second receive (post_discard looks for the entry)."""
+        entry = _Incoming(step_id, slots, generations, buf,
+                          self.group.recv([buf], SENDER, FEEDBACK_TAG))
         self._incoming.append(entry)
+        return entry
+
+    @contextlib.contextmanager
+    def _on_side_stream(self, entry: _Incoming):
+        """CUDA: the side stream, after the compute stream's work so far, waits for the
+        entry's message; the body runs on it after that; then `ready` is recorded."""
+        compute = torch.cuda.current_stream()
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_stream(compute)
+            entry.work.wait()  # this stream, not the host, waits for the message
+            yield
+            entry.ready = torch.cuda.Event()
+            entry.ready.record()
+        entry.buf.record_stream(self._stream)
+
+    def _next_pinned(self) -> torch.Tensor:
+        """The next host buffer of the ring: more than a rank's steps in flight, so one is
+        reused only after its step landed (invariant 2)."""
+        self._pinned_at = (self._pinned_at + 1) % len(self._pinned)
+        return self._pinned[self._pinned_at]
 
     def post_discard(self, step_id: int, n: int) -> None:
         """Rank 0 failed step_id (which samples n requests) before posting its receive: the
@@ -181,20 +212,13 @@ class TokenReceiver:
         if n == 0 or any(e.step_id == step_id for e in self._incoming):
             return
         buf = torch.empty(n + 1, dtype=torch.long, device=self.device)
-        entry = _Incoming(step_id, np.empty(0, np.int64), np.empty(0, np.int64), buf,
-                          self.group.recv([buf], SENDER, FEEDBACK_TAG))
+        entry = self._register(step_id, np.empty(0, np.int64), np.empty(0, np.int64), buf)
         entry.discard = True
-        if self._stream is not None:
-            compute = torch.cuda.current_stream()
-            with torch.cuda.stream(self._stream):
-                self._stream.wait_stream(compute)
-                entry.work.wait()
-                entry.ready = torch.cuda.Event()
-                entry.ready.record()
-            buf.record_stream(self._stream)
-        else:
+        if self._stream is None:
             self._to_wait.put(entry)
-        self._incoming.append(entry)
+            return
+        with self._on_side_stream(entry):
+            pass
 
     def feed(self, patch_slots: np.ndarray) -> None:
         """Before a step embeds the pending samples of `patch_slots` (read from last_sampled):
@@ -206,8 +230,8 @@ class TokenReceiver:
         needed = int(self.pending_step[patch_slots].max())
         if self._stream is not None:
             for entry in reversed(self._incoming):
-                if entry.step_id <= needed:
-                    torch.cuda.current_stream().wait_event(entry.ready)
+                if entry.step_id <= needed and entry.fed is not None:
+                    torch.cuda.current_stream().wait_event(entry.fed)
                     return
             return
         for entry in self._incoming:
