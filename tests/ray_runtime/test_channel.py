@@ -5,6 +5,7 @@ peer and a silent one are clear errors naming the stage."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,7 +20,9 @@ class FakeRunner:
 
     rank = 3
 
-    def __init__(self, fail_at: int = -1, slow: frozenset = frozenset()) -> None:
+    def __init__(self, fail_at: int = -1, slow: frozenset = frozenset(),
+                 inflight_steps: int = 2) -> None:
+        self.config = SimpleNamespace(inflight_steps=inflight_steps)  # the step loop's limit
         self.fail_at, self.slow = fail_at, slow
         self.launch_order: list[int] = []
         self.events: list[tuple[str, int]] = []
@@ -71,6 +74,26 @@ def test_plans_are_answered_once_each_in_order():
         assert ev.index(("finish", s)) < ev.index(("launch", s + 1)), f"step {s} held back"
     chan.send(STOP)
     assert loop.join(5), "the loop did not stop on STOP"
+    chan.close()
+
+
+def test_several_steps_in_flight_launch_before_the_oldest_is_answered():
+    """With 4 steps in flight (2 x PP at PP=2 with token feedback) every plan that arrives
+    is launched while the older ones still run, and the replies come in step order; a fifth
+    plan waits for the oldest step."""
+    runner = FakeRunner(slow=frozenset(range(8)), inflight_steps=4)
+    runner.step_done = lambda step: time.monotonic() >= step[1] + 0.2  # each runs 0.2 s
+    loop, chan = _connect(runner)
+    for step in range(5):
+        chan.send(PLAN, _plan(step))
+    time.sleep(0.1)
+    assert runner.launch_order == [0, 1, 2, 3], runner.launch_order  # the 5th waits
+    assert not [e for e in runner.events if e[0] == "finish"]
+    got = [decode_result(chan.recv(timeout_s=5)[1]).step_id for _ in range(5)]
+    assert got == [0, 1, 2, 3, 4] and runner.launch_order == [0, 1, 2, 3, 4]
+    assert runner.events.index(("finish", 0)) < runner.events.index(("launch", 4))
+    chan.send(STOP)
+    assert loop.join(5)
     chan.close()
 
 
