@@ -164,5 +164,7 @@ class Driver:
     def shutdown(self) -> None:
         self.loop.stop()
         self._write_trace()
+        if self.core.metrics is not None:
+            self.core.metrics.close()
         self.core.ranks.close()
         self._stop_stages(graceful=True)

@@ -16,6 +16,17 @@ so the Ray metric is registered under the name with ':' replaced by '_', as vLLM
 metrics do; Ray's exporter then adds its `ray_` namespace, and Prometheus shows
 `ray_ray_pp_num_requests_running` (counters with `_total`).
 
+Every counter and gauge exists from engine start (vLLM's convention: dashboards and alerts
+need a 0, not a missing series): the constructor records each counter at 0 and each gauge at
+0 with every label set it will ever have (`label_sets`: every pp_rank, every finish reason).
+Ray's `Counter.inc` refuses 0, but the record call under it (`Metric._record`, the same one
+`inc` makes) takes it, and Ray 2.60 then exports the series at 0 (checked on a scrape of the
+export port). A histogram cannot be exported without an observation, so each appears with
+its first one. Ray 2.60 drops a gauge from the export port two report intervals after its
+last `set` (its agent evicts gauges that were not refreshed), so a keep-alive thread sets
+every gauge's last value again every half report interval (5 s by default): an idle engine
+keeps its gauges.
+
 The backend is `ray.util.metrics` (it needs no dashboard extras); where it cannot be used,
 or a record call raises, the engine goes on with no-op metrics after one warning.
 `snapshot()` (tests only) returns what was handed to the backend.
@@ -24,7 +35,9 @@ from __future__ import annotations
 
 import importlib
 import logging
+import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
@@ -33,6 +46,7 @@ logger = logging.getLogger(__name__)
 PREFIX = "ray_pp:"
 BASE_TAGS = ("model_name", "engine")
 FLUSH_INTERVAL_S = 0.5  # at most this long between flushes while a generate call runs
+FINISH_REASONS = ("stop", "length", "abort")  # request_success's finished_reason values
 
 # Buckets: vLLM V1's, with a few smaller ones first (a GPU decode step here is ~1.5 ms).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -129,6 +143,29 @@ STAGE_TOTALS = {"stage_busy_s": "stage_busy_seconds", "stage_idle_s": "stage_idl
                 "bookkeeping_mismatches": "bookkeeping_mismatches"}
 
 
+def label_sets(defn: MetricDef, pp_size: int) -> list[tuple]:
+    """Every label tuple (in `defn.tags` order) a metric can be recorded with: () for an
+    untagged one, each pp_rank 0..pp_size-1, each finish reason. The series that exist from
+    engine start."""
+    values = {"pp_rank": tuple(range(pp_size)), "finished_reason": FINISH_REASONS}
+    sets: list[tuple] = [()]
+    for tag in defn.tags:
+        sets = [labels + (v,) for labels in sets for v in values[tag]]
+    return sets
+
+
+def gauge_keepalive_s() -> float:
+    """Half of Ray's metrics report interval (floored at 1 s, as Ray's exporter does): Ray
+    2.60's agent evicts a gauge two intervals after its last set."""
+    try:
+        import ray
+
+        interval_ms = ray._config.metrics_report_interval_ms()
+    except Exception:  # noqa: BLE001 - Ray's default
+        interval_ms = 10_000
+    return max(interval_ms, 1000) / 2000.0
+
+
 class NullBackend:
     """No-op instruments: metrics off, or ray.util.metrics unavailable."""
 
@@ -144,6 +181,15 @@ class NullBackend:
 
     def Histogram(self, name, description="", boundaries=None, tag_keys=None):  # noqa: N802
         return self._Noop()
+
+
+def _ray_connected() -> bool:
+    try:
+        import ray
+
+        return ray.is_initialized()
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def ray_backend():
@@ -187,7 +233,11 @@ class EngineMetrics:
     def __init__(self, model_name: str, engine_id: str, pp_size: int,
                  totals: Callable[[], dict], backend: Any = None,
                  flush_interval_s: float = FLUSH_INTERVAL_S,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 keepalive_s: Optional[float] = None) -> None:
+        """keepalive_s: how often the gauges' last values are set again (0: never); None:
+        `gauge_keepalive_s()` when Ray's own backend is used in a connected Ray process
+        (an engine's driver), else never."""
         self.model_name = model_name
         self.engine_id = engine_id
         self.pp_size = pp_size
@@ -196,6 +246,10 @@ class EngineMetrics:
         self.flush_interval_s = flush_interval_s
         self._next_flush = 0.0
         self._warned = False
+        self._lock = threading.Lock()  # gauge sets: the loop thread's flush and the keep-alive
+        self._keepalive_stop = threading.Event()
+        self._keepalive_thread: Optional[threading.Thread] = None
+        own_backend = backend is None
         if backend is None:
             backend = ray_backend()
         base = {"model_name": model_name, "engine": engine_id}
@@ -228,6 +282,82 @@ class EngineMetrics:
         self._itl: list[float] = []
         self._e2e: list[float] = []
         self._queue: list[float] = []
+        self.zero_init_failed: Optional[Exception] = None
+        self._record_initial()
+        if keepalive_s is None:
+            keepalive_s = gauge_keepalive_s() if own_backend and _ray_connected() else 0.0
+        if keepalive_s > 0:
+            self._start_keepalive(keepalive_s)
+
+    # ---- engine start: every counter and gauge at 0 ----------------------------------------
+    def _record_initial(self) -> None:
+        """Every counter at 0 and every gauge at 0, with each label set (`label_sets`), so
+        that the first export has them all. Never raises; a backend that refuses a counter's
+        0 leaves those series to their first increment (one warning)."""
+        for inst in self._inst.values():
+            kind = inst.defn.kind
+            if kind == "histogram":
+                continue  # no series without an observation
+            for labels in label_sets(inst.defn, self.pp_size):
+                if kind == "gauge":
+                    self._set(inst.defn.name, 0.0, labels)
+                elif self.zero_init_failed is None:
+                    self._zero(inst, labels)
+
+    def _zero(self, inst: _Instrument, labels: tuple) -> None:
+        inst.recorded.setdefault(inst._key(labels), 0)
+        tags = inst._tags(labels)
+        try:
+            # Ray's Counter.inc refuses 0; Metric._record (what inc calls once it has
+            # checked the value) records it, and the series is exported at 0.
+            record = getattr(inst.obj, "_record", None)
+            if record is not None:
+                record(0.0, tags)
+            else:
+                inst.obj.inc(0.0, tags)
+        except Exception as e:  # noqa: BLE001 - metrics never fail the engine
+            self.zero_init_failed = e
+            logger.warning("engine metrics: the backend refused a counter's 0 (%r); counters "
+                           "appear on their first increment", e)
+
+    # ---- gauge keep-alive ----------------------------------------------------------------
+    def _start_keepalive(self, period_s: float) -> None:
+        """A daemon thread that sets every gauge's last value again every period_s. It holds
+        this object only weakly: it ends with close() or once the engine is gone."""
+        ref, stop = weakref.ref(self), self._keepalive_stop
+
+        def run() -> None:
+            while not stop.wait(period_s):
+                m = ref()
+                if m is None:
+                    return
+                m.refresh_gauges()
+                del m
+
+        self._keepalive_thread = threading.Thread(
+            target=run, name=f"ray_pp-metrics-keepalive-{self.engine_id}", daemon=True)
+        self._keepalive_thread.start()
+
+    def refresh_gauges(self) -> None:
+        """Set every gauge's last value again (Ray's agent evicts a gauge left unset for
+        two report intervals). Never raises."""
+        try:
+            with self._lock:
+                for inst in self._inst.values():
+                    if inst.defn.kind != "gauge":
+                        continue
+                    for labels, tags in inst.tags.items():
+                        value = inst.recorded.get(inst._key(labels))
+                        if value is not None:
+                            inst.obj.set(value, tags)
+        except Exception as e:  # noqa: BLE001
+            self._disable(e)
+
+    def close(self) -> None:
+        """Stop the keep-alive thread (the engine is shutting down)."""
+        self._keepalive_stop.set()
+        if self._keepalive_thread is not None:
+            self._keepalive_thread.join(timeout=1.0)
 
     # ---- hooks (hot path) ----------------------------------------------------------------
     def on_arrivals(self, req_ids: Iterable[str], t: float) -> None:
@@ -366,9 +496,10 @@ class EngineMetrics:
 
     def _set(self, name: str, value: float, labels: tuple = ()) -> None:
         inst = self._inst[name]
-        inst.recorded[inst._key(labels)] = value
         try:
-            inst.obj.set(value, inst._tags(labels))
+            with self._lock:  # the keep-alive thread never sets an older value after this one
+                inst.recorded[inst._key(labels)] = value
+                inst.obj.set(value, inst._tags(labels))
         except Exception as e:  # noqa: BLE001
             self._disable(e)
 

@@ -5,6 +5,7 @@ records nothing. tests/e2e/test_metrics_prometheus.py scrapes the real export po
 import pytest
 
 from ray_runtime import LLM, SamplingParams
+from ray_runtime.metrics import METRICS, label_sets
 from tests.conftest import stress_workload
 
 
@@ -20,7 +21,17 @@ def test_metrics_agree_with_outputs_and_stats_at_pp2(ray_cluster, tiny_model):
     # A small KV pool: requests get preempted, so the preemption counter is exercised.
     with LLM(tiny_model("llama"), pipeline_parallel_size=2, max_num_batched_tokens=64,
              num_kv_blocks=14, block_size=16, max_model_len=256) as llm:
-        assert llm.metrics_snapshot()["engine"] == llm.info["engine_id"]
+        start = llm.metrics_snapshot()
+        assert start["engine"] == llm.info["engine_id"]
+        # Before any request: every counter and gauge at 0, with every label set (issue 19;
+        # tests/e2e/test_metrics_two_nodes.py scrapes them), and no histogram yet.
+        for d in METRICS:
+            if d.kind == "histogram":
+                assert d.full_name not in start["metrics"], d.name
+            else:
+                assert start["metrics"][d.full_name] == dict.fromkeys(
+                    [",".join(f"{k}={v}" for k, v in zip(d.tags, labels))
+                     for labels in label_sets(d, 2)], 0), d.name
         outs = llm.generate(reqs, params)
         outs += llm.generate(reqs[:4], params[:4])  # a second call adds, never recounts
         snap = llm.metrics_snapshot()
@@ -32,7 +43,8 @@ def test_metrics_agree_with_outputs_and_stats_at_pp2(ray_cluster, tiny_model):
     assert _one(m["ray_pp:generation_tokens"]) == sum(out_lens)
     assert _one(m["ray_pp:prompt_tokens"]) == sum(len(o.prompt_token_ids) for o in outs) \
         == stats["num_prompt_tokens"]
-    assert m["ray_pp:request_success"] == {"finished_reason=length": n}
+    assert m["ray_pp:request_success"] == {"finished_reason=length": n,
+                                           "finished_reason=stop": 0, "finished_reason=abort": 0}
     assert stats["num_preemptions"] > 0
     assert _one(m["ray_pp:num_preemptions"]) == stats["num_preemptions"]
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
@@ -45,8 +57,9 @@ def test_metrics_agree_with_outputs_and_stats_at_pp2(ray_cluster, tiny_model):
     assert it["count"] == stats["num_steps"] and it["sum"] == stats["num_scheduled_tokens"]
     assert _one(m["ray_pp:num_requests_running"]) == 0 == _one(m["ray_pp:num_requests_waiting"])
     assert _one(m["ray_pp:kv_cache_usage_perc"]) == 0.0
-    assert "ray_pp:bookkeeping_mismatches" not in m  # none happened: no series
-    assert "ray_pp:spec_decode_num_drafts" not in m
+    # none happened: the series are there at 0 (from engine start)
+    assert m["ray_pp:bookkeeping_mismatches"] == {"pp_rank=0": 0, "pp_rank=1": 0}
+    assert m["ray_pp:spec_decode_num_drafts"] == {"": 0}
     for rank in (0, 1):
         key = f"pp_rank={rank}"
         steps = m["ray_pp:stage_step_seconds"][key]
@@ -100,7 +113,8 @@ def test_bookkeeping_mismatches_by_rank_and_abort(ray_cluster, tiny_model, tmp_p
         stats = llm.stats()
         m = llm.metrics_snapshot()["metrics"]
     assert stats["bookkeeping_mismatches"] > 0
-    assert m["ray_pp:bookkeeping_mismatches"] == {"pp_rank=1": stats["bookkeeping_mismatches"]}
+    assert m["ray_pp:bookkeeping_mismatches"] == {"pp_rank=0": 0,
+                                                  "pp_rank=1": stats["bookkeeping_mismatches"]}
     with LLM(model, pipeline_parallel_size=2, max_num_batched_tokens=32, on_mismatch="raise",
              digest_full_every=1) as llm:
         llm._set_fault_hook(1, faults.CorruptComputedCounter(str(tmp_path / "b.json")))
@@ -110,4 +124,4 @@ def test_bookkeeping_mismatches_by_rank_and_abort(ray_cluster, tiny_model, tmp_p
     success = m["ray_pp:request_success"]
     assert success.get("finished_reason=abort", 0) + success.get("finished_reason=length", 0) \
         == len(reqs) and success["finished_reason=abort"] > 0
-    assert m["ray_pp:bookkeeping_mismatches"] == {"pp_rank=1": 1}
+    assert m["ray_pp:bookkeeping_mismatches"] == {"pp_rank=0": 0, "pp_rank=1": 1}

@@ -74,13 +74,16 @@ def test_per_stage_series_for_every_rank(scrape):
                    for n, ls, _ in samples)
 
 
-def test_every_active_metric_is_exported(scrape):
-    """Every metric that had something to record is there, under its Ray name (a counter
-    appears on its first increment: Ray's Counter takes no increment of 0)."""
-    exported = {n for n, _, _ in scrape["samples"]}
-    idle = {"bookkeeping_mismatches", "stage_gpu_busy_seconds"}  # none on CPU without faults
+def test_every_metric_is_exported(scrape):
+    """Every counter and gauge with every label set (at 0 where nothing happened: bookkeeping
+    mismatches, GPU busy time on CPU, speculative decoding), and every histogram, which this
+    run observed, under its Ray name."""
+    exported = {(n, ls.get("pp_rank"), ls.get("finished_reason")) for n, ls, _ in scrape["samples"]}
     for d in METRICS:
-        if d.name in idle or d.name.startswith("spec_"):  # no drafts either
-            continue
         base = "ray_" + d.ray_name
-        assert {base, base + "_total", base + "_count"} & exported, d.name
+        name = {"counter": base + "_total", "gauge": base, "histogram": base + "_count"}[d.kind]
+        ranks = ("0", "1") if "pp_rank" in d.tags else (None,)
+        reasons = ("stop", "length", "abort") if "finished_reason" in d.tags else (None,)
+        for r in ranks:
+            for reason in reasons:
+                assert (name, r, reason) in exported, (d.name, r, reason)
