@@ -1,8 +1,10 @@
-"""Stage idle fractions and throughput, sync vs async, at several PP depths, from the
-pipeline trace's own accounting (stats()["stage_idle_fraction"]).
+"""Stage idle fractions and throughput, sync vs async (and at PP>1 async without token
+feedback: each token through the driver), at several PP depths, from the pipeline trace's
+own accounting (stats()["stage_idle_fraction"]).
 
   python bench/pipeline_idle.py [--pp 1 2 4] [--requests 64] [--max-tokens 32]
-      [--hidden 256 --layers 8] [--device cpu] [--dtype float32] [--trace-dir DIR]
+      [--modes sync async async_no_feedback] [--hidden 256 --layers 8] [--device cpu]
+      [--dtype float32] [--trace-dir DIR] [--tag NAME]
 
 Idle = waiting for the previous stage's activations + gaps between steps, over busy + idle.
 """
@@ -32,11 +34,15 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--model-dir", default="/tmp/ray_runtime_bench/llama_idle")
     p.add_argument("--trace-dir", default=None)
+    p.add_argument("--modes", nargs="+", default=["sync", "async", "async_no_feedback"],
+                   choices=["sync", "async", "async_no_feedback"])
+    p.add_argument("--tag", default=None, help="results file pipeline_idle_<tag>.json")
     args = p.parse_args()
 
     import ray
 
     from ray_runtime import LLM, SamplingParams
+    from ray_runtime.config import EngineConfig
 
     model = tiny_llama(f"{args.model_dir}_{args.hidden}x{args.layers}", hidden=args.hidden,
                        layers=args.layers, heads=max(1, args.hidden // 64),
@@ -49,12 +55,15 @@ def main() -> None:
     ray.init(num_cpus=max(8, max(args.pp)), include_dashboard=False, log_to_driver=False)
     rows = []
     for pp in args.pp:
-        for async_scheduling in (False, True):
-            trace = os.path.join(args.trace_dir, f"pp{pp}_{'async' if async_scheduling else 'sync'}.json") \
-                if args.trace_dir else None
+        for mode in args.modes:
+            if mode == "async_no_feedback" and pp == 1:
+                continue  # no feedback at PP=1: the one rank samples
+            async_scheduling = mode != "sync"
+            trace = os.path.join(args.trace_dir, f"pp{pp}_{mode}.json") if args.trace_dir else None
             with LLM(model, pipeline_parallel_size=pp, device=args.device, dtype=args.dtype,
                      max_num_seqs=args.requests, max_num_batched_tokens=args.max_num_batched_tokens,
-                     async_scheduling=async_scheduling, trace_file=trace) as llm:
+                     async_scheduling=async_scheduling, pp_token_feedback=mode == "async",
+                     trace_file=trace) as llm:
                 llm.generate(prompts[:2], SamplingParams(max_tokens=2))  # warm-up
                 before = llm.stats()
                 t0 = time.perf_counter()
@@ -63,21 +72,26 @@ def main() -> None:
                 st = llm.stats()
             n_out = sum(len(o.outputs[0].token_ids) for o in outs)
             steps = st["num_steps"] - before["num_steps"]
-            rows.append({"pp": pp, "async": async_scheduling, "output_tok_s": round(n_out / elapsed, 1),
+            rows.append({"pp": pp, "mode": mode, "async": async_scheduling,
+                         "max_inflight_steps": EngineConfig(
+                             model=model, pipeline_parallel_size=pp, async_scheduling=async_scheduling,
+                             pp_token_feedback=mode == "async").inflight_steps, "output_tok_s": round(n_out / elapsed, 1),
                          "elapsed_s": round(elapsed, 3), "steps": steps,
                          "stage_idle_fraction": idle_fractions_between(before, st),
                          "driver_plan_ms_per_step": round(1e3 * (st["driver_plan_s"] - before["driver_plan_s"]) / steps, 3),
                          "stage_digest_ms_per_step": [round(1e3 * (d - d0) / steps, 3) for d, d0 in
                                                       zip(st["stage_digest_s"], before["stage_digest_s"])]})
             r = rows[-1]
-            print(f"PP={pp} {'async' if async_scheduling else 'sync ':5} {r['output_tok_s']:>8} tok/s "
+            print(f"PP={pp} {mode:17} {r['output_tok_s']:>8} tok/s "
                   f"steps {steps:>4}  idle {r['stage_idle_fraction']}  plan {r['driver_plan_ms_per_step']} ms/step "
                   f"digest {r['stage_digest_ms_per_step']} ms/step", flush=True)
     for pp in args.pp:
-        s, a = [r for r in rows if r["pp"] == pp]
-        print(f"PP={pp}: async_speedup = {a['output_tok_s'] / s['output_tok_s']:.2f}")
+        by = {r["mode"]: r["output_tok_s"] for r in rows if r["pp"] == pp}
+        for mode in ("async", "async_no_feedback"):
+            if mode in by and "sync" in by:
+                print(f"PP={pp}: {mode} / sync = {by[mode] / by['sync']:.2f}")
     ray.shutdown()
-    path = save("pipeline_idle", {"model": {"family": "llama", "hidden": args.hidden, "layers": args.layers,
+    path = save("pipeline_idle" + (f"_{args.tag}" if args.tag else ""), {"model": {"family": "llama", "hidden": args.hidden, "layers": args.layers,
                                             "dtype": args.dtype, "weights": "random"},
                                   "workload": {"requests": args.requests, "prompt_len": args.prompt_len,
                                                "max_tokens": args.max_tokens,

@@ -100,6 +100,9 @@ class StageTiming(msgspec.Struct, array_like=True):
     digest_s: float  # time spent fingerprinting rows for the audit
     # CUDA: the device's span for the step (event to event); 0 on CPU or if not yet complete
     gpu_busy_s: float = 0.0
+    # rank 0 with token feedback: time the host waited for the last rank's sampled tokens
+    # (on CPU; on CUDA the device waits, which gpu_busy_s leaves out)
+    token_wait_s: float = 0.0
 
 
 class StageStepResult(msgspec.Struct, array_like=True):

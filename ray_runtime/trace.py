@@ -43,6 +43,9 @@ class PipelineTrace:
         if rank > 0:
             self._span(tid, "recv wait", t.start, t.recv_done, args)
             self.idle_s[rank] += t.recv_done - t.start
+        elif t.token_wait_s > 0:  # rank 0 waited for fed-back tokens (host path)
+            self._span(tid, "token wait", t.recv_done - t.token_wait_s, t.recv_done, args)
+            self.idle_s[rank] += t.token_wait_s
         self._span(tid, "compute", t.recv_done, t.compute_done, args)
         self._span(tid, "send", t.compute_done, t.end, args)
         self.busy_s[rank] += t.end - t.recv_done

@@ -228,11 +228,15 @@ class StageRunner:
             self.batch.check()
         view = plan_view(plan, self.batch)  # what each request runs: read by inputs and digests
         inputs = self.prepare_inputs(view)
+        token_wait_s = 0.0
         if self.is_first:
             x = inputs.device.token_ids
             if len(inputs.patch_index):  # pending samples: their ids never left the device
                 x = x.clone()  # the staging buffer's view stays as staged
-                x[inputs.device.patch_index] = self._fed_samples(inputs.patch_slot)[inputs.device.patch_slot]
+                t_wait = time.time()
+                fed = self._fed_samples(inputs.patch_slot)
+                token_wait_s = time.time() - t_wait
+                x[inputs.device.patch_index] = fed[inputs.device.patch_slot]
         else:
             x = self.transport.recv_from_prev(plan.step_id, inputs.num_tokens)
         recv_done = time.time()
@@ -246,7 +250,8 @@ class StageRunner:
         digests = self.batch.digests_of(view, full=cfg.debug_checks, full_every=cfg.digest_full_every)
         digest_s = time.perf_counter() - t_digest
         self.batch.mark_computed_rows(inputs.rows, inputs.num_new)
-        step = LaunchedStep(plan.step_id, start, recv_done, digests, digest_s, gpu_start)
+        step = LaunchedStep(plan.step_id, start, recv_done, digests, digest_s, gpu_start,
+                            token_wait_s=token_wait_s)
         if self.is_last:
             self.last.sample_step(plan.step_id, hidden, inputs, step)
             if self.token_sender is not None:
@@ -319,7 +324,8 @@ class StageRunner:
             self.batch.check()
         timing = StageTiming(start=step.start, recv_done=step.recv_done,
                              compute_done=step.compute_done, end=time.time(),
-                             digest_s=step.digest_s, gpu_busy_s=gpu_busy_s)
+                             digest_s=step.digest_s, gpu_busy_s=gpu_busy_s,
+                             token_wait_s=step.token_wait_s)
         return StageStepResult(step_id=step.step_id, rank=self.rank, timing=timing,
                                digests=step.digests, sampler_output=out)
 

@@ -66,3 +66,4 @@ class LaunchedStep:
     sampler_output: Optional[SamplerOutput] = None  # ready at launch (the host-side paths)
     deferred: Optional[DeferredSamples] = None
     tokens_ready: Optional[torch.cuda.Event] = None
+    token_wait_s: float = 0.0  # rank 0, host path: waiting for the fed-back tokens

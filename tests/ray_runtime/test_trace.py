@@ -1,0 +1,20 @@
+"""The pipeline trace's idle accounting (ray_runtime/trace.py): a later rank's wait for
+activations and gaps between steps are idle; rank 0's wait for the last rank's fed-back
+tokens is idle too (a rank 0 that blocks on them must not look busy)."""
+from ray_runtime.messages import StageTiming
+from ray_runtime.trace import PipelineTrace
+
+
+def test_waits_count_as_idle_on_every_rank():
+    tr = PipelineTrace(2, record_events=True)
+    # rank 0: step 0 busy 1.0 s; step 1 starts at once, waits 0.5 s for fed-back tokens
+    tr.stage_step(0, 0, StageTiming(0.0, 0.0, 0.8, 1.0, 0.0))
+    tr.stage_step(0, 1, StageTiming(1.0, 1.5, 2.3, 2.5, 0.0, token_wait_s=0.5))
+    # rank 1: waits 1.0 s for step 0's activations, then a 0.5 s gap before step 1
+    tr.stage_step(1, 0, StageTiming(0.0, 1.0, 1.8, 2.0, 0.0))
+    tr.stage_step(1, 1, StageTiming(2.5, 2.5, 3.3, 3.5, 0.0))
+    assert tr.idle_s == [0.5, 1.5]
+    assert tr.busy_s == [2.0, 2.0]
+    assert [round(f, 3) for f in tr.idle_fractions()] == [0.2, 0.429]
+    names = {(e["tid"], e["name"]) for e in tr.events}
+    assert (1, "token wait") in names and (2, "recv wait") in names and (2, "idle") in names
