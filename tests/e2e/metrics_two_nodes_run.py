@@ -28,25 +28,8 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from ray_runtime import LLM, SamplingParams  # noqa: E402
-from ray_runtime.metrics import METRICS  # noqa: E402
 from tests.e2e.metrics_scrape_run import OURS, free_port, scrape  # noqa: E402
-
-
-def wanted(pp: int) -> set:
-    """(Prometheus name, labels) of every counter and gauge series: every pp_rank, every
-    finish reason."""
-    values = {"pp_rank": [str(r) for r in range(pp)],
-              "finished_reason": ["stop", "length", "abort"]}
-    out = set()
-    for d in METRICS:
-        if d.kind == "histogram":
-            continue
-        name = "ray_" + d.ray_name + ("_total" if d.kind == "counter" else "")
-        combos = [()]
-        for tag in d.tags:
-            combos = [c + ((tag, v),) for c in combos for v in values[tag]]
-        out |= {(name, tuple(sorted(c))) for c in combos}
-    return out
+from tests.e2e.metrics_series import expected_series  # noqa: E402
 
 
 def key(sample) -> tuple:
@@ -99,7 +82,7 @@ def main() -> None:
         report["nodes"] = [{"node_id": n["NodeID"], "metrics_export_port": n["MetricsExportPort"]}
                            for n in nodes]
         scrape_ports = sorted(n["MetricsExportPort"] for n in nodes)
-        want = wanted(2)
+        want = set(expected_series(2))
         t0 = time.time()
         with LLM(args["model"], pipeline_parallel_size=2, placement_strategy="STRICT_SPREAD",
                  num_kv_blocks=32, max_model_len=128, max_num_batched_tokens=32) as llm:

@@ -17,27 +17,8 @@ import pytest
 
 from ray_runtime.metrics import METRICS
 from tests.conftest import ROOT
+from tests.e2e.metrics_series import FINISH_REASONS, expected_series
 from tests.e2e.test_metrics_prometheus import EXTRAS
-
-FINISH_REASONS = ("stop", "length", "abort")
-
-
-def _expected() -> dict:
-    """(Prometheus name, labels) -> kind of every counter and gauge series at PP=2, from
-    METRICS' tags."""
-    values = {"pp_rank": ("0", "1"), "finished_reason": FINISH_REASONS}
-    out = {}
-    for d in METRICS:
-        if d.kind == "histogram":
-            continue
-        name = "ray_" + d.ray_name + ("_total" if d.kind == "counter" else "")
-        combos = [()]
-        for tag in d.tags:
-            combos = [c + ((tag, v),) for c in combos for v in values[tag]]
-        for c in combos:
-            out[(name, tuple(sorted(c)))] = d.kind
-    return out
-
 
 def _series(by_port: dict) -> dict:
     """(name, labels beyond model_name/engine) -> [(port, value)] over every node's port."""
@@ -92,7 +73,7 @@ def test_every_counter_and_gauge_exported_before_any_request(report):
     stats = report["stats_before"]
     assert stats["num_steps"] == 0 and stats["num_requests_finished"] == 0  # nothing ran
     got = _series(report["before"])
-    want = _expected()
+    want = expected_series(2)
     missing = sorted(k for k in want if k not in got)
     assert not missing, f"not exported at engine start: {missing}"
     for k, kind in want.items():
@@ -121,13 +102,13 @@ def test_a_run_without_preemptions_exports_them_at_0(report):
                for r in FINISH_REASONS}
     assert reasons == {"stop": 0.0, "length": 2.0, "abort": 0.0}
     assert after[("ray_ray_pp_spec_decode_num_drafts_total", ())][0][1] == 0.0
-    assert not [k for k in _expected() if k not in after]
+    assert not [k for k in expected_series(2) if k not in after]
 
 
 def test_gauges_stay_while_the_engine_is_idle(report):
     """Ray 2.60 evicts a gauge two report intervals (here 2 s) after its last set; the
     engine's keep-alive sets them again: every scrape 1.5 to 4.5 s after the run has them."""
-    gauges = [k for k, kind in _expected().items() if kind == "gauge"]
+    gauges = [k for k, kind in expected_series(2).items() if kind == "gauge"]
     for i, scrape in enumerate(report["idle"]):
         got = _series(scrape)
         assert not [k for k in gauges if k not in got], (i, sorted(k for k in gauges
