@@ -14,6 +14,7 @@ from stages.input_batch import InputBatch
 from stages.model_spec import ModelSpec
 from stages.ngram_proposer import ngram_propose
 from stages.penalties import apply_penalties
+from stages.pinned_ring import PinnedRing
 from stages.sampler import Sampler, token_logprobs
 from stages.spec_sampler import SpecVerifier
 from stages.step_types import DeferredSamples, LaunchedStep, StepInputs
@@ -32,14 +33,10 @@ class LastRank:
         # [max_num_seqs] each slot's latest sample, written by the device; read only for a
         # slot with a pending sample, which only its current tenant can have (invariant 3).
         self.last_sampled = torch.zeros(config.max_num_seqs, dtype=torch.long, device=self.device)
-        # Pinned host buffers, a ring one longer than the steps this rank keeps in flight
-        # (the step loop's limit): a copy not yet read by its step's finish is never
-        # overwritten by a later step's (invariant 2).
-        self._pinned_tokens = [torch.zeros(config.max_num_seqs, dtype=torch.long,
-                                           pin_memory=self.device == "cuda")
-                               for _ in range(config.inflight_steps + 1)] \
-            if self.device == "cuda" else []
-        self._pinned_at = 0
+        # Host copies of the samples, one more than the steps this rank keeps in flight (the
+        # step loop's limit): a copy not yet read by its step's finish is never overwritten.
+        self._pinned_tokens = PinnedRing(config.inflight_steps + 1, config.max_num_seqs,
+                                         torch.long, pin=True) if self.device == "cuda" else None
 
     def sample_step(self, step_id: int, hidden: torch.Tensor, inputs: StepInputs,
                     step: LaunchedStep) -> None:
@@ -75,8 +72,7 @@ class LastRank:
         self.last_sampled[inputs.device.sample_slots] = tokens
         n = len(slots)
         if self.device == "cuda":
-            self._pinned_at = (self._pinned_at + 1) % len(self._pinned_tokens)
-            host = self._pinned_tokens[self._pinned_at][:n]  # a ring (invariant 2)
+            host = self._pinned_tokens.next(n)  # a ring (invariant 2)
             host.copy_(tokens, non_blocking=True)
             step.tokens_ready = torch.cuda.Event()
             step.tokens_ready.record()

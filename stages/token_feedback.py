@@ -34,6 +34,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from stages.pinned_ring import PinnedRing
+
 FEEDBACK_TAG = 2
 SENDER, RECEIVER = 1, 0  # group-local ranks: the last rank and rank 0
 
@@ -125,10 +127,9 @@ class TokenReceiver:
         if self._stream is not None:
             # Written on the side stream: its memory is not reused before that work is done.
             self.last_sampled.record_stream(self._stream)
-            # Pinned host copies, a ring longer than the steps rank 0 keeps unlanded.
-            self._pinned = [torch.empty(max_num_seqs + 1, dtype=torch.long, pin_memory=True)
-                            for _ in range(max_inflight_steps + 2)]
-            self._pinned_at = 0
+            # Host copies, more than the steps rank 0 keeps unlanded.
+            self._pinned = PinnedRing(max_inflight_steps + 2, max_num_seqs + 1, torch.long,
+                                      pin=True)
         self._to_wait: Optional[queue.SimpleQueue] = None
         if self._stream is None:
             self._to_wait = queue.SimpleQueue()
@@ -172,7 +173,7 @@ class TokenReceiver:
             self.last_sampled[dev_slots] = buf[:n].clamp(min=0)
             entry.fed = torch.cuda.Event()
             entry.fed.record()  # what a step embedding these samples waits for
-            entry.host = self._next_pinned()[:n + 1]
+            entry.host = self._pinned.next(n + 1)
             entry.host.copy_(buf, non_blocking=True)
         dev_slots.record_stream(self._stream)
 
@@ -198,11 +199,6 @@ class TokenReceiver:
             entry.ready.record()
         entry.buf.record_stream(self._stream)
 
-    def _next_pinned(self) -> torch.Tensor:
-        """The next host buffer of the ring: more than a rank's steps in flight, so one is
-        reused only after its step landed (invariant 2)."""
-        self._pinned_at = (self._pinned_at + 1) % len(self._pinned)
-        return self._pinned[self._pinned_at]
 
     def post_discard(self, step_id: int, n: int) -> None:
         """Rank 0 failed step_id (which samples n requests) before posting its receive: the
