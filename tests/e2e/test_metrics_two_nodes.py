@@ -7,17 +7,15 @@ preemptions, num_preemptions is still there at 0; idle past two report intervals
 still is. Serving the export port needs Ray's dashboard extras (`ray[default]`, in the
 `test` extra): without them this test fails, it does not skip."""
 import json
-import os
-import signal
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
 from ray_runtime.metrics import METRICS
 from tests.conftest import ROOT
 from tests.e2e.metrics_series import FINISH_REASONS, expected_series
+from tests.e2e.private_ray import run_private_ray
 from tests.e2e.test_metrics_prometheus import EXTRAS
 
 def _series(by_port: dict) -> dict:
@@ -39,26 +37,9 @@ def report(tiny_model):
         "Ray's dashboard extras, which serve the metrics export port, are missing: "
         f"pip install -e .[test] (it carries ray[default])\n{check.stderr[-1000:]}")
     args = {"model": tiny_model("llama"), "pythonpath": ROOT}
-    with tempfile.TemporaryDirectory(prefix="rm", dir="/tmp") as tmp:
-        token = os.path.join(tmp, "auth_token")
-        with open(token, "w") as f:
-            f.write(os.urandom(32).hex())
-        env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "RAY_TMPDIR": tmp,
-               "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token}
-        env.pop("RAY_ADDRESS", None)
-        # A session of its own: on a timeout the whole group goes (the nodes' processes
-        # with it), never anything else.
-        proc = subprocess.Popen([sys.executable, "-m", "tests.e2e.metrics_two_nodes_run",
-                                 json.dumps(args)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            pytest.fail(f"timed out after 240 s:\n{(out + err)[-4000:]}")
+    rc, out, err = run_private_ray("tests.e2e.metrics_two_nodes_run", args)
     lines = [x for x in out.splitlines() if x.startswith("REPORT ")]
-    assert proc.returncode == 0 and lines, (out + err)[-4000:]
+    assert rc == 0 and lines, (out + err)[-4000:]
     return json.loads(lines[-1][len("REPORT "):])
 
 
