@@ -89,9 +89,12 @@ def left_padded(prompts: list[list[int]]):
 
 
 def gpu_ray_env() -> dict:
-    """The variables every Ray worker needs on the multi-GPU machines (NVLink multicast off)."""
+    """The variables every Ray worker needs on the multi-GPU machines (NVLink multicast off),
+    and the stage profiler's when set (stages/profiling.py)."""
     return {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                       "NVSHMEM_DISABLE_NVLS", "PYTHONPATH") if k in os.environ}
+                                       "NVSHMEM_DISABLE_NVLS", "PYTHONPATH",
+                                       "RAY_RUNTIME_TORCH_PROFILER_DIR",
+                                       "RAY_RUNTIME_PROFILE_STEPS") if k in os.environ}
 
 
 # ---- the memory-bandwidth roofline (roofline.py, throughput.py, latency.py) -------------------

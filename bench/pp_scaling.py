@@ -6,6 +6,13 @@ through the driver, side by side in the same run); async_speedup = tput(async) /
 where both modes ran. Per stage: the GPU's idle fraction (1 - its compute spans / wall time)
 and the stage loop's.
 
+The ceiling of a fixed workload: PP=N splits the batch of B requests into N micro-batches of
+B/N, and each stage reads its weights once per micro-batch, so where a step's time hardly
+grows with its rows (memory-bound decode) a bubble-free pipeline gets only
+pp{N}_out{L}_fixed_batch_ceiling = tput(PP=1, B/N requests) / tput(PP=1, B requests) of
+linear (measured on the PP=1 engine: round time t1(B/N) for B tokens, against N x B / t1(B)).
+pp{N}_out{L}_of_ceiling = efficiency / ceiling is how close the pipeline comes to it.
+
   python bench/pp_scaling.py [--requests 256] [--input-len 256] [--output-len 128 512] [--pp 1 2 4]
                              [--feedback on off] [--modes async sync] [--trace-dir DIR] [--tag h200x2]
 """
@@ -113,20 +120,23 @@ def main() -> None:
                  trace_file=os.path.join(args.trace_dir, f"trace_{name}.json")
                  if args.trace_dir else None) as llm:
             llm.generate(reqs[:2], SamplingParams(max_tokens=2))
-            for out_len in args.output_len:
+            # PP=1 also runs each micro-batch's share of the requests alone: the ceiling.
+            shares = [args.requests] + ([args.requests // n for n in args.pp if n > 1]
+                                        if pp == 1 and mode == "async" else [])
+            for out_len, num in [(L, n) for L in args.output_len for n in shares]:
                 sp = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
                 b = llm.stats()
                 t0 = time.perf_counter()
-                llm.generate(reqs, sp)
+                llm.generate(reqs[:num], sp)
                 el = time.perf_counter() - t0
                 st = llm.stats()
                 gpu_busy = [a - z for a, z in zip(st["stage_gpu_busy_s"], b["stage_gpu_busy_s"])]
                 rows.append({
                     "pp": pp, "async": mode == "async", "feedback": fb == "on" and pp > 1
-                    and mode == "async", "output_len": out_len,
+                    and mode == "async", "output_len": out_len, "requests": num,
                     "max_inflight_steps": inflight or llm.config.inflight_steps,
                     "elapsed_s": round(el, 2),
-                    "output_tok_s": round(args.requests * out_len / el, 1),
+                    "output_tok_s": round(num * out_len / el, 1),
                     "steps": st["num_steps"] - b["num_steps"],
                     # the device's view: 1 - (compute spans of the stage's steps) / wall time
                     "stage_gpu_idle_fraction": [round(1 - g / el, 3) for g in gpu_busy],
@@ -138,19 +148,28 @@ def main() -> None:
     result = {"model": {"shape": "Llama-3-8B", **SHAPE, "dtype": "bfloat16", "weights": "random"},
               "workload": {"requests": args.requests, "input_len": args.input_len,
                            "output_len": args.output_len, "ignore_eos": True}, "rows": rows}
-    base = {(r["output_len"]): r["output_tok_s"] for r in rows if r["pp"] == 1 and r["async"]}
+    pp1 = {(r["output_len"], r["requests"]): r["output_tok_s"] for r in rows
+           if r["pp"] == 1 and r["async"]}
     for r in rows:
-        if r["pp"] > 1 and r["async"] and r["output_len"] in base:
+        base = pp1.get((r["output_len"], args.requests))
+        if r["pp"] > 1 and r["async"] and base:
             key = f"pp{r['pp']}_out{r['output_len']}" + ("" if r["feedback"] else "_no_feedback") \
                 + (f"_inflight{r['max_inflight_steps']}" if args.inflight != [0] else "")
-            result[key + "_scaling_efficiency"] = round(
-                r["output_tok_s"] / (r["pp"] * base[r["output_len"]]), 3)
-    sync = {(r["pp"], r["output_len"]): r["output_tok_s"] for r in rows if not r["async"]}
+            eff = r["output_tok_s"] / (r["pp"] * base)
+            result[key + "_scaling_efficiency"] = round(eff, 3)
+            share = pp1.get((r["output_len"], args.requests // r["pp"]))
+            if share:
+                ceiling = share / base
+                result[f"pp{r['pp']}_out{r['output_len']}_fixed_batch_ceiling"] = round(ceiling, 3)
+                result[key + "_of_ceiling"] = round(eff / ceiling, 3)
+    sync = {(r["pp"], r["output_len"]): r["output_tok_s"] for r in rows
+            if not r["async"] and r["requests"] == args.requests}
     for r in rows:
-        if r["async"] and r["feedback"] == (r["pp"] > 1) and (r["pp"], r["output_len"]) in sync:
+        if r["async"] and r["feedback"] == (r["pp"] > 1) and r["requests"] == args.requests \
+                and (r["pp"], r["output_len"]) in sync:
             result[f"async_speedup_pp{r['pp']}_out{r['output_len']}"] = round(
                 r["output_tok_s"] / sync[(r["pp"], r["output_len"])], 3)
-    print({k: v for k, v in result.items() if "efficiency" in k or "speedup" in k})
+    print({k: v for k, v in result.items() if "efficiency" in k or "speedup" in k or "ceiling" in k})
     ray.shutdown()
     print("wrote", save("pp_scaling" + (f"_{args.tag}" if args.tag else ""), result))
 

@@ -24,6 +24,7 @@ from stages.last_rank import LastRank
 from stages.model import attention_metadata, build_stage, token_layout
 from stages.model_spec import ModelSpec
 from stages.plan_view import PlanView, plan_view
+from stages.profiling import phase
 from stages.staging import InputStaging
 from stages.step_types import DeviceInputs, LaunchedStep, StepInputs
 from stages.token_feedback import TokenReceiver, TokenSender, num_samples
@@ -221,43 +222,53 @@ class StageRunner:
         if self.drafter is not None:
             for req_id in plan.removed_req_ids:
                 self.drafter.forget(req_id)
-        self.batch.apply_plan(plan)
+        with phase("apply plan"):
+            self.batch.apply_plan(plan)
         if self.fault_hook is not None:
             self.fault_hook(self.batch, plan)
         if self.config.debug_checks:
             self.batch.check()
-        view = plan_view(plan, self.batch)  # what each request runs: read by inputs and digests
-        inputs = self.prepare_inputs(view)
+        with phase("stage inputs"):
+            view = plan_view(plan, self.batch)  # what each request runs: read by inputs and digests
+            inputs = self.prepare_inputs(view)
         token_wait_s = 0.0
         if self.is_first:
             x = inputs.device.token_ids
             if len(inputs.patch_index):  # pending samples: their ids never left the device
                 x = x.clone()  # the staging buffer's view stays as staged
                 t_wait = time.time()
-                fed = self._fed_samples(inputs.patch_slot)
+                with phase("feed tokens"):
+                    fed = self._fed_samples(inputs.patch_slot)
                 token_wait_s = time.time() - t_wait
                 x[inputs.device.patch_index] = fed[inputs.device.patch_slot]
         else:
-            x = self.transport.recv_from_prev(plan.step_id, inputs.num_tokens)
+            with phase("recv activations"):
+                x = self.transport.recv_from_prev(plan.step_id, inputs.num_tokens)
         recv_done = time.time()
         # After the device's waits for this step's inputs (activations, fed-back tokens),
         # in stream order: the span from here to gpu_end is the stage's own compute.
         gpu_start = self._record_event()
-        hidden = self._forward(x, inputs.meta)
+        with phase("forward"):
+            hidden = self._forward(x, inputs.meta)
         # While the device runs the step: the digests of the rows as the plan left them.
         t_digest = time.perf_counter()
         cfg = self.config
-        digests = self.batch.digests_of(view, full=cfg.debug_checks, full_every=cfg.digest_full_every)
+        with phase("digests"):
+            digests = self.batch.digests_of(view, full=cfg.debug_checks,
+                                            full_every=cfg.digest_full_every)
         digest_s = time.perf_counter() - t_digest
         self.batch.mark_computed_rows(inputs.rows, inputs.num_new)
         step = LaunchedStep(plan.step_id, start, recv_done, digests, digest_s, gpu_start,
                             token_wait_s=token_wait_s)
         if self.is_last:
-            self.last.sample_step(plan.step_id, hidden, inputs, step)
+            with phase("sample"):
+                self.last.sample_step(plan.step_id, hidden, inputs, step)
             if self.token_sender is not None:
-                self.token_sender.send(plan.step_id, self._sampled_tokens(step))
+                with phase("send tokens"):
+                    self.token_sender.send(plan.step_id, self._sampled_tokens(step))
         else:
-            self.transport.send_to_next(plan.step_id, hidden)
+            with phase("send activations"):
+                self.transport.send_to_next(plan.step_id, hidden)
             if self.feeds_back:  # the step's samples extend the rows by pending positions
                 generations = self.batch.expect_samples(inputs.sample_slots)
                 if self.token_receiver is not None:
@@ -305,10 +316,12 @@ class StageRunner:
         out = step.sampler_output
         d = step.deferred
         if self.token_receiver is not None:  # before the reply: the driver's copies come later
-            self.token_receiver.land(step.step_id, self.batch)
+            with phase("land fed tokens"):
+                self.token_receiver.land(step.step_id, self.batch)
         if d is not None:
             if step.tokens_ready is not None:
-                step.tokens_ready.synchronize()
+                with phase("wait for samples"):
+                    step.tokens_ready.synchronize()
             tokens = d.tokens.numpy().copy()
             self.batch.land_samples(d.slots, d.generations, tokens)
             # Every sample is reported; the driver drops those of requests it removed.

@@ -16,6 +16,7 @@ from typing import Optional
 
 from ray_runtime.channel import ERROR, PLAN, RESULT, STOP, Channel, ChannelClosed, Listener
 from ray_runtime.messages import decode_plan, encode
+from stages.profiling import StepProfiler, phase
 
 _POLL_S = 0.0002  # how often a waiting loop checks the device while no plan arrives
 
@@ -58,26 +59,41 @@ class StepLoop:
         # flight no plan can come before a reply: then the loop waits for the oldest step.
         pending: deque = deque()
         limit = self.runner.config.inflight_steps
-        while True:
-            while pending and (isinstance(pending[0], str) or self.runner.step_done(pending[0])):
-                self._reply(chan, pending.popleft())
-            if pending and len(pending) >= limit:
-                self._reply(chan, pending.popleft())  # waits for the device
-                continue
-            if pending and not chan.readable(_POLL_S):
-                continue
-            kind, payload = chan.recv()
-            if kind == STOP:
-                while pending:
-                    self._reply(chan, pending.popleft())
-                return
-            assert kind == PLAN, f"unexpected frame kind {kind}"
-            try:
-                pending.append(self.runner.launch(decode_plan(payload)))
-            except Exception:  # noqa: BLE001 - reported to the driver, which decides
-                pending.append(_describe(self.runner.rank))
+        prof = StepProfiler.from_env(self.runner)
+        try:
+            while True:
+                while pending and (isinstance(pending[0], str) or self.runner.step_done(pending[0])):
+                    self._reply(chan, pending.popleft(), prof)
+                if pending and len(pending) >= limit:
+                    self._reply(chan, pending.popleft(), prof)  # waits for the device
+                    continue
+                with phase("wait for plan"):
+                    if pending and not chan.readable(_POLL_S):
+                        continue
+                    kind, payload = chan.recv()
+                if kind == STOP:
+                    while pending:
+                        self._reply(chan, pending.popleft(), prof)
+                    return
+                assert kind == PLAN, f"unexpected frame kind {kind}"
+                if prof is not None:
+                    prof.on_plan()
+                try:
+                    with phase("launch"):
+                        pending.append(self.runner.launch(decode_plan(payload)))
+                except Exception:  # noqa: BLE001 - reported to the driver, which decides
+                    pending.append(_describe(self.runner.rank))
+        finally:
+            if prof is not None:
+                prof.close()
 
-    def _reply(self, chan: Channel, launched) -> None:
+    def _reply(self, chan: Channel, launched, prof: Optional[StepProfiler]) -> None:
+        with phase("reply"):
+            self._send_reply(chan, launched)
+        if prof is not None:
+            prof.on_reply()
+
+    def _send_reply(self, chan: Channel, launched) -> None:
         if isinstance(launched, str):  # the launch failed: its error, in its turn
             chan.send(ERROR, launched.encode())
             return

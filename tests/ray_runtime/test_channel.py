@@ -19,6 +19,7 @@ class FakeRunner:
     device still running); `fail_at` raises in launch."""
 
     rank = 3
+    device = "cpu"
 
     def __init__(self, fail_at: int = -1, slow: frozenset = frozenset(),
                  inflight_steps: int = 2) -> None:
@@ -134,3 +135,40 @@ def test_a_silent_stage_times_out_naming_it():
         chan.recv(timeout_s=0.3)
     assert time.monotonic() - t0 < 2
     chan.close()
+
+
+def test_profiler_window_covers_the_asked_plans(tmp_path, monkeypatch):
+    """RAY_RUNTIME_TORCH_PROFILER_DIR / _PROFILE_STEPS: the stage writes a torch.profiler
+    trace of plans [2, 5) with the step loop's phases in it, and only once."""
+    import json
+
+    from stages import profiling
+
+    monkeypatch.setenv(profiling.DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(profiling.STEPS_ENV, "2:5")
+    runner = FakeRunner()
+    loop, chan = _connect(runner)
+    for step in range(8):
+        chan.send(PLAN, _plan(step))
+        assert decode_result(chan.recv(timeout_s=5)[1]).step_id == step
+        if step == 3:
+            assert profiling._active, "the window is open at plan 3"
+    assert not profiling._active, "the window closed after the reply to plan 4"
+    chan.send(STOP)
+    assert loop.join(5)
+    chan.close()
+    written = list(tmp_path.glob("stage3_pid*.json"))
+    assert len(written) == 1, written
+    trace = json.loads(written[0].read_text())
+    names = [e.get("name") for e in trace["traceEvents"]]
+    assert names.count("launch") == 3 and names.count("reply") == 3, names
+
+
+def test_profiler_steps_are_checked(monkeypatch):
+    from stages import profiling
+
+    monkeypatch.setenv(profiling.DIR_ENV, "/tmp/x")
+    for bad in ("5", "5:2", "a:b"):
+        monkeypatch.setenv(profiling.STEPS_ENV, bad)
+        with pytest.raises(ValueError, match="RAY_RUNTIME_PROFILE_STEPS"):
+            profiling.StepProfiler.from_env(FakeRunner())

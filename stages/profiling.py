@@ -1,0 +1,90 @@
+"""An opt-in torch.profiler window over a stage's step loop, for finding where a stage's host
+or device time goes (the pipeline trace shows when steps run; this shows why).
+
+    RAY_RUNTIME_TORCH_PROFILER_DIR=/tmp/prof  RAY_RUNTIME_PROFILE_STEPS=100:140
+
+in the environment of the stage processes (a Ray runtime_env's env_vars) makes each stage
+profile its host (CPU ops, CUDA runtime calls) and its device (kernels, copies, NCCL) from
+the plan numbered START it receives to the reply to plan STOP - 1, then write
+`stage{rank}_pid{pid}.json` (Chrome trace / Perfetto) there. The step's phases appear as named
+ranges (`phase`). Unset, nothing is recorded and `phase` costs one global read.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+DIR_ENV, STEPS_ENV = "RAY_RUNTIME_TORCH_PROFILER_DIR", "RAY_RUNTIME_PROFILE_STEPS"
+_active = False  # a window is open in this process: phases are recorded
+
+
+def phase(name: str):
+    """A named range in the profile while a window is open; nothing otherwise."""
+    if not _active:
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.profiler.record_function(name)
+
+
+def parse_steps(value: str) -> tuple[int, int]:
+    try:
+        start, stop = (int(v) for v in value.split(":"))
+    except ValueError:
+        raise ValueError(f"{STEPS_ENV}: expected START:STOP (plan numbers), got {value!r}") from None
+    if not 0 <= start < stop:
+        raise ValueError(f"{STEPS_ENV}: need 0 <= START < STOP, got {value!r}")
+    return start, stop
+
+
+class StepProfiler:
+    """Counts the plans a stage receives and the replies it sends; profiles plans
+    [start, stop). `from_env` returns None unless the directory variable is set."""
+
+    def __init__(self, out_dir: str, rank: int, start: int, stop: int, cuda: bool) -> None:
+        self.path = os.path.join(out_dir, f"stage{rank}_pid{os.getpid()}.json")
+        self.start, self.stop, self.cuda = start, stop, cuda
+        self.plans = self.replies = 0
+        self._prof = None
+
+    @classmethod
+    def from_env(cls, runner) -> Optional["StepProfiler"]:
+        """For the stage of `runner` (its rank and device), if the variables ask for it."""
+        out_dir = os.environ.get(DIR_ENV)
+        if not out_dir:
+            return None
+        start, stop = parse_steps(os.environ.get(STEPS_ENV, "100:140"))
+        return cls(out_dir, runner.rank, start, stop, runner.device == "cuda")
+
+    def on_plan(self) -> None:
+        global _active
+        if self.plans == self.start and self._prof is None:
+            import torch
+
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self.cuda:
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(activities=acts)
+            self._prof.__enter__()
+            _active = True
+        self.plans += 1
+
+    def on_reply(self) -> None:
+        self.replies += 1
+        if self.replies >= self.stop:
+            self.close()
+
+    def close(self) -> None:
+        global _active
+        if self._prof is None:
+            return
+        prof, self._prof = self._prof, None
+        _active = False
+        prof.__exit__(None, None, None)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        prof.export_chrome_trace(self.path)
+        logger.warning("stage profile written to %s", self.path)
