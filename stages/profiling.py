@@ -8,6 +8,12 @@ profile its host (CPU ops, CUDA runtime calls) and its device (kernels, copies, 
 the plan numbered START it receives to the reply to plan STOP - 1, then write
 `stage{rank}_pid{pid}.json` (Chrome trace / Perfetto) there. The step's phases appear as named
 ranges (`phase`). Unset, nothing is recorded and `phase` costs one global read.
+
+    RAY_RUNTIME_SYNC_DEBUG=warn   (or error)
+
+makes every stage on CUDA report each call that makes its host wait for the device
+(torch.cuda.set_sync_debug_mode): the step path is meant to wait only where finish() reads
+a step's samples (an event), so anything else it reports is a stall.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from typing import Optional
 logger = logging.getLogger(__name__)
 
 DIR_ENV, STEPS_ENV = "RAY_RUNTIME_TORCH_PROFILER_DIR", "RAY_RUNTIME_PROFILE_STEPS"
+SYNC_DEBUG_ENV = "RAY_RUNTIME_SYNC_DEBUG"
 _active = False  # a window is open in this process: phases are recorded
 
 
@@ -29,6 +36,26 @@ def phase(name: str):
     import torch
 
     return torch.profiler.record_function(name)
+
+
+def prepare(device: str) -> None:
+    """At stage start, in the actor's own thread: the sync debug mode, if asked for; and
+    when a profile window is asked for, one empty profile here first (the profiler's
+    library binds itself to the thread that first starts it; the window opens in the step
+    loop's thread)."""
+    if device != "cuda":
+        return
+    import torch
+
+    mode = os.environ.get(SYNC_DEBUG_ENV)
+    if mode:
+        if mode not in ("warn", "error"):
+            raise ValueError(f"{SYNC_DEBUG_ENV}: expected warn or error, got {mode!r}")
+        torch.cuda.set_sync_debug_mode(mode)
+    if os.environ.get(DIR_ENV):
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts):
+            pass
 
 
 def parse_steps(value: str) -> tuple[int, int]:

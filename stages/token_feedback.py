@@ -90,7 +90,10 @@ class TokenSender:
             return
         msg = torch.empty(n + 1, dtype=torch.long, device=tokens.device)
         msg[:n] = tokens
-        msg[n] = step_id
+        # A kernel with the id as its argument. (`msg[n] = step_id` copies a host scalar: on
+        # CUDA a synchronous copy, which held the last rank's host until its device had
+        # finished the step, ~4 ms a step on an 8B model.)
+        msg[n:].fill_(step_id)
         self._send(msg)
         self.last_sent_step = step_id
 

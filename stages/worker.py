@@ -11,6 +11,7 @@ import os
 from typing import Callable, Optional
 
 from ray_runtime.config import EngineConfig
+from stages import profiling
 from stages.runner import StageRunner
 from stages.step_loop import StepLoop
 from stages.transport import connect_rendezvous, open_rendezvous
@@ -60,6 +61,7 @@ class StageWorker:
                       f"layers={layer_range[0]}-{layer_range[1] - 1}, engine={engine_id or '?'}")
         self.log = stage_log(rank, config.pipeline_parallel_size)
         require_model_folder(config.model, rank)
+        profiling.prepare(config.device)
         self.runner = StageRunner(config, rank, layer_range, max_model_len)
         self.log.info("layers %d-%d of %s loaded (pid %d)", layer_range[0], layer_range[1] - 1,
                       config.model, os.getpid())
