@@ -14,7 +14,8 @@ linear (measured on the PP=1 engine: round time t1(B/N) for B tokens, against N 
 pp{N}_out{L}_of_ceiling = efficiency / ceiling is how close the pipeline comes to it.
 
   python bench/pp_scaling.py [--requests 256] [--input-len 256] [--output-len 128 512] [--pp 1 2 4]
-                             [--feedback on off] [--modes async sync] [--trace-dir DIR] [--tag h200x2]
+                             [--feedback on off] [--modes async sync] [--partition even 17,15]
+                             [--trace-dir DIR] [--tag h200x2]
 """
 from __future__ import annotations
 
@@ -92,6 +93,9 @@ def main() -> None:
     p.add_argument("--inflight", type=int, nargs="+", default=[0],
                    help="max_inflight_steps values to run at PP>1 (0: the default)")
     p.add_argument("--trace-dir", default=None, help="write a pipeline trace per run there")
+    p.add_argument("--partition", nargs="+", default=["even"],
+                   help="PP>1 layer partitions to run side by side: 'even' (the default "
+                        "split) or layers per stage, e.g. 17,15")
     args = p.parse_args()
     import ray
 
@@ -105,21 +109,26 @@ def main() -> None:
     reqs = [{"prompt_token_ids": [rng.randrange(3, 128000) for _ in range(args.input_len)]}
             for _ in range(args.requests)]
     rows = []
-    runs = [(pp, m, fb, n) for pp in args.pp for m in args.modes
+    runs = [(pp, m, fb, n, part) for pp in args.pp for m in args.modes
             for fb in (args.feedback if pp > 1 and m == "async" else ["on"])
-            for n in (args.inflight if pp > 1 and m == "async" else [0])]
+            for n in (args.inflight if pp > 1 and m == "async" else [0])
+            for part in (args.partition if pp > 1 else ["even"])]
     longest = max(args.output_len)
-    for pp, mode, fb, inflight in runs:
+    for pp, mode, fb, inflight, part in runs:
         blocks = args.requests * ((args.input_len + longest) // 16 + 2)
-        name = f"pp{pp}_{mode}" + (f"_feedback_{fb}" if pp > 1 and mode == "async" else "")
+        name = f"pp{pp}_{mode}" + (f"_feedback_{fb}" if pp > 1 and mode == "async" else "") \
+            + (f"_partition_{part.replace(',', '_')}" if part != "even" else "")
         with LLM(model, pipeline_parallel_size=pp, device="cuda", dtype="bfloat16",
                  max_num_seqs=args.requests, max_num_batched_tokens=8192, num_kv_blocks=blocks,
                  max_model_len=args.input_len + longest + 16,
                  async_scheduling=mode == "async", max_inflight_steps=inflight or None,
                  pp_token_feedback=fb == "on",
+                 pp_layer_partition=None if part == "even" else part,
                  trace_file=os.path.join(args.trace_dir, f"trace_{name}.json")
                  if args.trace_dir else None) as llm:
-            llm.generate(reqs[:2], SamplingParams(max_tokens=2))
+            # Warm-up: every prefill and decode shape of the workload (kernels compiled and
+            # tuned, graphs replayed once) before anything is timed.
+            llm.generate(reqs, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
             # PP=1 also runs each micro-batch's share of the requests alone: the ceiling.
             shares = [args.requests] + ([args.requests // n for n in args.pp if n > 1]
                                         if pp == 1 and mode == "async" else [])
@@ -135,6 +144,7 @@ def main() -> None:
                     "pp": pp, "async": mode == "async", "feedback": fb == "on" and pp > 1
                     and mode == "async", "output_len": out_len, "requests": num,
                     "max_inflight_steps": inflight or llm.config.inflight_steps,
+                    "partition": part,
                     "elapsed_s": round(el, 2),
                     "output_tok_s": round(num * out_len / el, 1),
                     "steps": st["num_steps"] - b["num_steps"],
@@ -154,7 +164,9 @@ def main() -> None:
         base = pp1.get((r["output_len"], args.requests))
         if r["pp"] > 1 and r["async"] and base:
             key = f"pp{r['pp']}_out{r['output_len']}" + ("" if r["feedback"] else "_no_feedback") \
-                + (f"_inflight{r['max_inflight_steps']}" if args.inflight != [0] else "")
+                + (f"_inflight{r['max_inflight_steps']}" if args.inflight != [0] else "") \
+                + (f"_partition_{r['partition'].replace(',', '_')}" if r["partition"] != "even"
+                   else "")
             eff = r["output_tok_s"] / (r["pp"] * base)
             result[key + "_scaling_efficiency"] = round(eff, 3)
             share = pp1.get((r["output_len"], args.requests // r["pp"]))
