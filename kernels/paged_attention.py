@@ -115,6 +115,34 @@ class DecodeLayout:
     ctx_lens: torch.Tensor
     long_chunks: list[int]
     all_decode: bool  # every request is a single decode token, in order
+    # CUDA: prefill_tile_arrays() of the long chunks on the device, staged with the step's
+    # inputs (None: the prefill kernel builds them itself, with a synchronous copy per call)
+    prefill_tiles: Optional[tuple[torch.Tensor, ...]] = None
+
+
+PREFILL_BLOCK_M = 32  # query tokens per tile of the prefill kernel
+
+
+def prefill_tile_arrays(seq_lens, query_start_loc, requests,
+                        block_m: int = PREFILL_BLOCK_M) -> list[np.ndarray]:
+    """The prefill kernel's launch metadata for the long chunks `requests`, as int64 host
+    arrays: each tile's request and first query row (tiles of block_m query tokens), and per
+    request its first query row, query length and context length. A step computes them once
+    and stages them with its other inputs (one pinned copy), so no layer's launch copies from
+    host memory (such a copy makes the host wait until the device has caught up)."""
+    qsl = np.asarray(query_start_loc, np.int64)
+    ctx = np.asarray(seq_lens, np.int64)
+    q_len = np.diff(qsl)
+    req = np.asarray(requests, np.int64)
+    bad = np.nonzero((q_len[req] <= 0) | (q_len[req] > ctx[req]))[0]
+    if len(bad):
+        i = int(req[bad[0]])
+        raise ValueError(f"request {i}: chunk of {int(q_len[i])} tokens in a context of "
+                         f"{int(ctx[i])}")
+    per = -(-q_len[req] // block_m)
+    first = np.repeat(np.cumsum(per) - per, per)
+    tile_m0 = (np.arange(int(per.sum()), dtype=np.int64) - first) * block_m
+    return [np.repeat(req, per), tile_m0, qsl[:-1], q_len, ctx]
 
 
 def decode_layout_arrays(seq_lens, query_start_loc) -> tuple[np.ndarray, np.ndarray, np.ndarray,
@@ -163,7 +191,8 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
                 query.index_select(0, layout.token_rows), key_cache, value_cache,
                 block_tables.index_select(0, layout.table_rows), layout.ctx_lens, scale)
         prefill_attention(query, key_cache, value_cache, block_tables, seq_lens,
-                          query_start_loc, layout.long_chunks, out, scale)
+                          query_start_loc, layout.long_chunks, out, scale,
+                          tiles=layout.prefill_tiles)
         return out
     if len(layout.token_rows) < 2:
         return paged_attention_ref(query, key_cache, value_cache, block_tables, seq_lens,

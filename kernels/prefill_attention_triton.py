@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.decode_attention_triton import check_paged_shapes, dot_precision
+from kernels.paged_attention import PREFILL_BLOCK_M, prefill_tile_arrays
 
 
 @triton.jit
@@ -68,35 +69,28 @@ def _prefill_attention_kernel(
 def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: list[int], query_start_loc: list[int],
                       requests: list[int], out: torch.Tensor, scale: float,
-                      block_m: int = 32) -> None:
+                      block_m: int = PREFILL_BLOCK_M, tiles=None) -> None:
     """Writes out[rows of `requests`]: query [num_tokens, heads, head_dim]; caches
     [num_blocks, block_size, kv_heads, head_dim]; block_tables [num_reqs, >= blocks];
-    seq_lens / query_start_loc as in paged_attention_ref. Requests not listed are untouched."""
+    seq_lens / query_start_loc as in paged_attention_ref. Requests not listed are untouched.
+    tiles: prefill_tile_arrays() of the same arguments, already on the device (a step's
+    layout carries them); without them they are built and copied here."""
     _, num_heads, head_dim, block_size, num_kv_heads = check_paged_shapes(
         query, key_cache, value_cache)
     if out.shape != query.shape or query.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("query and out must have the same shape and a contiguous last dim")
     if not requests:
         return
-    tile_req, tile_m0 = [], []
-    for i in requests:
-        q_len = query_start_loc[i + 1] - query_start_loc[i]
-        if not 0 < q_len <= seq_lens[i]:
-            raise ValueError(f"request {i}: chunk of {q_len} tokens in a context of {seq_lens[i]}")
-        for m0 in range(0, q_len, block_m):
-            tile_req.append(i)
-            tile_m0.append(m0)
-    dev = query.device
-
-    def t(x):
-        return torch.tensor(x, dtype=torch.int32, device=dev)
-
-    q_start = t(query_start_loc[:-1])
-    q_len = t([b - a for a, b in zip(query_start_loc[:-1], query_start_loc[1:])])
-    grid = (len(tile_req), num_heads)
+    if tiles is None:
+        tiles = [torch.from_numpy(a).to(query.device)
+                 for a in prefill_tile_arrays(seq_lens, query_start_loc, requests, block_m)]
+    elif block_m != PREFILL_BLOCK_M:
+        raise ValueError(f"block_m: staged tiles are of {PREFILL_BLOCK_M} tokens, not {block_m}")
+    tile_req, tile_m0, q_start, q_len, ctx_len = tiles
+    grid = (tile_req.shape[0], num_heads)
     _prefill_attention_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, t(tile_req), t(tile_m0), q_start,
-        q_len, t(seq_lens), scale,
+        out, query, key_cache, value_cache, block_tables, tile_req, tile_m0, q_start,
+        q_len, ctx_len, scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,

@@ -18,7 +18,8 @@ from safetensors import safe_open
 from torch import nn
 
 from kernels.layer_ops import add_rms_norm, norm_rope, rms_norm, silu_and_mul
-from kernels.paged_attention import DecodeLayout, decode_layout_arrays, paged_attention, write_kv
+from kernels.paged_attention import (DecodeLayout, decode_layout_arrays, paged_attention,
+                                     prefill_tile_arrays, write_kv)
 from stages.model_spec import ModelSpec
 
 
@@ -69,17 +70,23 @@ def attention_metadata(block_table: np.ndarray, rows: np.ndarray, starts: np.nda
         decode_layout_arrays(ends, query_start_loc)
     tables = block_table[rows, :max_blocks] if device_table is None else rows
     mirror = device_table.changes() if device_table is not None else []
+    # CUDA: the prefill kernel's tiles travel in the same copy (ends: each request's context)
+    tiles = prefill_tile_arrays(ends, query_start_loc, long_chunks) \
+        if long_chunks and device == "cuda" else []
     moved = (to_device or plain_to_device(device))(
-        [positions, slot_mapping, tables, token_rows, table_rows, ctx_lens, *mirror, *extras])
+        [positions, slot_mapping, tables, token_rows, table_rows, ctx_lens, *mirror, *extras,
+         *tiles])
     pos_t, slots_t, tables_t, token_rows_t, table_rows_t, ctx_t = moved[:6]
     if device_table is not None:
         device_table.apply(*moved[6:8])
         tables_t = device_table.gather(tables_t, max_blocks)
-    extras_t = moved[6 + len(mirror):]
+    n = 6 + len(mirror) + len(extras)
+    extras_t, tiles_t = moved[6 + len(mirror):n], moved[n:]
     meta = AttentionMetadata(
         positions=pos_t, slot_mapping=slots_t, block_tables=tables_t,
         seq_lens=ends.tolist(), query_start_loc=query_start_loc.tolist(),
-        layout=DecodeLayout(token_rows_t, table_rows_t, ctx_t, long_chunks, all_decode))
+        layout=DecodeLayout(token_rows_t, table_rows_t, ctx_t, long_chunks, all_decode,
+                            tuple(tiles_t) or None))
     return meta, token_row, positions, extras_t
 
 

@@ -67,3 +67,33 @@ def test_launcher_rejects_bad_shapes():
     with pytest.raises(ValueError, match="chunk of 4 tokens in a context of 3"):
         prefill_attention(q, kc, kc, torch.zeros(1, 3, dtype=torch.long), [3], [0, 4], [0],
                           torch.empty_like(q), 0.25)
+
+
+def test_staged_tiles_cover_each_chunk_once_and_match_the_launcher():
+    """A step stages prefill_tile_arrays() with its inputs (no copy per layer): the tiles
+    cover every query row of every listed chunk exactly once, and the kernel fed them writes
+    what it writes when it builds them itself."""
+    import numpy as np
+
+    from kernels.paged_attention import PREFILL_BLOCK_M, prefill_tile_arrays
+
+    reqs = [(100, 70), (9, 1), (64, 64), (40, 33)]
+    qsl = np.concatenate([[0], np.cumsum([n for _, n in reqs])])
+    run = [0, 2, 3]
+    tile_req, tile_m0, q_start, q_len, ctx = prefill_tile_arrays(
+        [c for c, _ in reqs], qsl, run)
+    covered = sorted((int(r), int(m0) + j) for r, m0 in zip(tile_req, tile_m0)
+                     for j in range(PREFILL_BLOCK_M) if m0 + j < q_len[r])
+    assert covered == [(r, j) for r in run for j in range(reqs[r][1])]
+    assert q_start.tolist() == qsl[:-1].tolist() and ctx.tolist() == [c for c, _ in reqs]
+
+    gen = torch.Generator().manual_seed(3)
+    tables, kc, vc = random_paged_kv([c for c, _ in reqs], num_kv_heads=2, head_dim=16,
+                                     block_size=4, gen=gen, table_dtype=torch.int64)
+    q = torch.randn(int(qsl[-1]), 4, 16, generator=gen)
+    seq_lens = [c for c, _ in reqs]
+    built, staged = torch.zeros_like(q), torch.zeros_like(q)
+    prefill_attention(q, kc, vc, tables, seq_lens, qsl.tolist(), run, built, 0.25)
+    tiles = tuple(torch.from_numpy(a) for a in prefill_tile_arrays(seq_lens, qsl, run))
+    prefill_attention(q, kc, vc, tables, seq_lens, qsl.tolist(), run, staged, 0.25, tiles=tiles)
+    assert torch.equal(built, staged) and built.abs().sum() > 0
