@@ -94,7 +94,8 @@ def gpu_ray_env() -> dict:
     return {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                        "NVSHMEM_DISABLE_NVLS", "PYTHONPATH",
                                        "RAY_RUNTIME_TORCH_PROFILER_DIR",
-                                       "RAY_RUNTIME_PROFILE_STEPS") if k in os.environ}
+                                       "RAY_RUNTIME_PROFILE_STEPS", "RAY_RUNTIME_SYNC_DEBUG")
+            if k in os.environ}
 
 
 # ---- the memory-bandwidth roofline (roofline.py, throughput.py, latency.py) -------------------

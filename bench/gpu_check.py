@@ -2,7 +2,10 @@
 greedy agreement with HF on the GPU (fp32 exact, bf16 as a rate) and throughput against HF
 `generate` on the same GPU, PP=1 vs PP=2, async vs sync.
 
-  python bench/gpu_check.py [--requests 64] [--max-tokens 64] [--skip-throughput]
+  python bench/gpu_check.py [--requests 64] [--max-tokens 64] [--skip-throughput] [--sync-debug error]
+
+Every stage runs with RAY_RUNTIME_SYNC_DEBUG=error unless told otherwise: a step whose launch
+makes the host wait for the device (a copy from pageable memory, .item(), .tolist()) fails.
 """
 from __future__ import annotations
 
@@ -132,14 +135,19 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--root", default="/tmp/ray_runtime_gpu")
     p.add_argument("--skip-throughput", action="store_true")
+    p.add_argument("--sync-debug", default="error", choices=["error", "warn", "off"],
+                   help="RAY_RUNTIME_SYNC_DEBUG for every stage: with error, a step that makes "
+                        "its host wait for the device fails the check (stages/profiling.py)")
     args = p.parse_args()
     import ray
 
+    if args.sync_debug != "off":
+        os.environ["RAY_RUNTIME_SYNC_DEBUG"] = args.sync_debug
     ray.init(runtime_env={"env_vars": gpu_ray_env()}, include_dashboard=False)
     rng = random.Random(0)
     pps = [n for n in (1, 2, 4) if n <= torch.cuda.device_count()]
     small = qwen3_dir(args.root, 5, torch.float32, small=True)
-    result = {"gpus": torch.cuda.device_count(), "agreement": []}
+    result = {"gpus": torch.cuda.device_count(), "sync_debug": args.sync_debug, "agreement": []}
     result["agreement"] += agreement(small, "float32", pps, 32, 32, rng)
     result["agreement"] += agreement(small, "bfloat16", pps[:1], 200, 32, rng)
     if not args.skip_throughput:

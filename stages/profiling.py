@@ -12,8 +12,10 @@ ranges (`phase`). Unset, nothing is recorded and `phase` costs one global read.
     RAY_RUNTIME_SYNC_DEBUG=warn   (or error)
 
 makes every stage on CUDA report each call that makes its host wait for the device
-(torch.cuda.set_sync_debug_mode): the step path is meant to wait only where finish() reads
-a step's samples (an event), so anything else it reports is a stall.
+(torch.cuda.set_sync_debug_mode), from the moment its step loop starts (set-up, which
+synchronizes on purpose, is done by then): the step path is meant to wait only on events
+(finish() reading a step's samples, the staging ring), so anything reported is a stall.
+`bench/gpu_check.py` runs every engine with `error`: a step that makes its host wait fails.
 """
 from __future__ import annotations
 
@@ -38,20 +40,32 @@ def phase(name: str):
     return torch.profiler.record_function(name)
 
 
+def sync_debug_mode() -> Optional[str]:
+    """RAY_RUNTIME_SYNC_DEBUG, checked: None, "warn" or "error"."""
+    mode = os.environ.get(SYNC_DEBUG_ENV) or None
+    if mode not in (None, "warn", "error"):
+        raise ValueError(f"{SYNC_DEBUG_ENV}: expected warn or error, got {mode!r}")
+    return mode
+
+
+def start_step_loop(device: str) -> None:
+    """When a stage's step loop starts: the sync debug mode, if asked for (process-wide)."""
+    mode = sync_debug_mode()
+    if mode and device == "cuda":
+        import torch
+
+        torch.cuda.set_sync_debug_mode(mode)
+
+
 def prepare(device: str) -> None:
-    """At stage start, in the actor's own thread: the sync debug mode, if asked for; and
-    when a profile window is asked for, one empty profile here first (the profiler's
-    library binds itself to the thread that first starts it; the window opens in the step
-    loop's thread)."""
+    """At stage start, in the actor's own thread: the variables checked, and when a profile
+    window is asked for, one empty profile here first (the profiler's library binds itself
+    to the thread that first starts it; the window opens in the step loop's thread)."""
+    sync_debug_mode()
     if device != "cuda":
         return
     import torch
 
-    mode = os.environ.get(SYNC_DEBUG_ENV)
-    if mode:
-        if mode not in ("warn", "error"):
-            raise ValueError(f"{SYNC_DEBUG_ENV}: expected warn or error, got {mode!r}")
-        torch.cuda.set_sync_debug_mode(mode)
     if os.environ.get(DIR_ENV):
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=acts):

@@ -16,7 +16,7 @@ from typing import Optional
 
 from ray_runtime.channel import ERROR, PLAN, RESULT, STOP, Channel, ChannelClosed, Listener
 from ray_runtime.messages import decode_plan, encode
-from stages.profiling import StepProfiler, phase
+from stages.profiling import StepProfiler, phase, start_step_loop
 
 _POLL_S = 0.0002  # how often a waiting loop checks the device while no plan arrives
 
@@ -59,6 +59,7 @@ class StepLoop:
         # flight no plan can come before a reply: then the loop waits for the oldest step.
         pending: deque = deque()
         limit = self.runner.config.inflight_steps
+        start_step_loop(self.runner.device)
         prof = StepProfiler.from_env(self.runner)
         try:
             while True:

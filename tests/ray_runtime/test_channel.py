@@ -172,3 +172,14 @@ def test_profiler_steps_are_checked(monkeypatch):
         monkeypatch.setenv(profiling.STEPS_ENV, bad)
         with pytest.raises(ValueError, match="RAY_RUNTIME_PROFILE_STEPS"):
             profiling.StepProfiler.from_env(FakeRunner())
+
+
+def test_sync_debug_mode_is_checked(monkeypatch):
+    from stages import profiling
+
+    monkeypatch.setenv(profiling.SYNC_DEBUG_ENV, "loud")
+    with pytest.raises(ValueError, match="RAY_RUNTIME_SYNC_DEBUG: expected warn or error"):
+        profiling.prepare("cpu")
+    monkeypatch.setenv(profiling.SYNC_DEBUG_ENV, "error")
+    assert profiling.sync_debug_mode() == "error"
+    profiling.start_step_loop("cpu")  # CPU: nothing to set, nothing raised
