@@ -174,13 +174,16 @@ def main() -> None:
                 ceiling = share / base
                 result[f"pp{r['pp']}_out{r['output_len']}_fixed_batch_ceiling"] = round(ceiling, 3)
                 result[key + "_of_ceiling"] = round(eff / ceiling, 3)
-    sync = {(r["pp"], r["output_len"]): r["output_tok_s"] for r in rows
+    sync = {(r["pp"], r["output_len"], r["partition"]): r["output_tok_s"] for r in rows
             if not r["async"] and r["requests"] == args.requests}
     for r in rows:
+        key = (r["pp"], r["output_len"], r["partition"])
         if r["async"] and r["feedback"] == (r["pp"] > 1) and r["requests"] == args.requests \
-                and (r["pp"], r["output_len"]) in sync:
-            result[f"async_speedup_pp{r['pp']}_out{r['output_len']}"] = round(
-                r["output_tok_s"] / sync[(r["pp"], r["output_len"])], 3)
+                and key in sync:
+            part = f"_partition_{r['partition'].replace(',', '_')}" \
+                if r["partition"] != "even" else ""
+            result[f"async_speedup_pp{r['pp']}_out{r['output_len']}{part}"] = round(
+                r["output_tok_s"] / sync[key], 3)
     print({k: v for k, v in result.items() if "efficiency" in k or "speedup" in k or "ceiling" in k})
     ray.shutdown()
     print("wrote", save("pp_scaling" + (f"_{args.tag}" if args.tag else ""), result))

@@ -1,5 +1,5 @@
 """Where a stage's time goes, from the traces of stages/profiling.py. Host: per step phase
-(the named ranges), its count and mean; the costliest CPU ops and CUDA runtime calls (a
+(the named ranges), its count and mean ("wait for plan" counts each poll of the channel); the costliest CPU ops and CUDA runtime calls (a
 cudaStreamSynchronize or cudaMemcpy under the step's launch is a host stall). Device: the
 busiest stream's (the compute stream's) busy fraction over the window, its gaps, and its
 kernels' time per step.
@@ -57,7 +57,7 @@ def _device(kernels: list[dict], steps: int, top: int) -> dict:
         per_kernel[e["name"][:80]] += e["dur"]
     steps = max(steps, 1)
     return {"compute_stream": stream, "window_ms": round(span / 1e3, 2),
-            "busy_fraction": round(sum(e["dur"] for e in ks) / span, 3),
+            "busy_fraction": round(sum(e["dur"] for e in ks) / span, 3) if span > 0 else None,
             "gaps_over_30us": sum(g > 30 for g in gaps),
             "gap_ms_over_30us": round(sum(g for g in gaps if g > 30) / 1e3, 2),
             "steps": steps, "kernel_ms_per_step": round(sum(e["dur"] for e in ks) / steps / 1e3, 3),

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 DIR_ENV, STEPS_ENV = "RAY_RUNTIME_TORCH_PROFILER_DIR", "RAY_RUNTIME_PROFILE_STEPS"
 SYNC_DEBUG_ENV = "RAY_RUNTIME_SYNC_DEBUG"
+DEFAULT_STEPS = "100:140"
 _active = False  # a window is open in this process: phases are recorded
 
 
@@ -49,7 +50,10 @@ def sync_debug_mode() -> Optional[str]:
 
 
 def start_step_loop(device: str) -> None:
-    """When a stage's step loop starts: the sync debug mode, if asked for (process-wide)."""
+    """When a stage's step loop starts: the sync debug mode, if asked for. It is
+    process-wide: stop_step_loop turns it off, and calls that wait on purpose while the loop
+    runs (re-forming the link, checks: the driver makes them with no step in flight) run
+    inside `sync_allowed`."""
     mode = sync_debug_mode()
     if mode and device == "cuda":
         import torch
@@ -57,11 +61,36 @@ def start_step_loop(device: str) -> None:
         torch.cuda.set_sync_debug_mode(mode)
 
 
+def stop_step_loop(device: str) -> None:
+    if sync_debug_mode() and device == "cuda":
+        import torch
+
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@contextlib.contextmanager
+def sync_allowed():
+    """Host waits for the device are intended here: the sync debug mode is off inside."""
+    import torch
+
+    if not (sync_debug_mode() and torch.cuda.is_available()):
+        yield
+        return
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+
+
 def prepare(device: str) -> None:
     """At stage start, in the actor's own thread: the variables checked, and when a profile
     window is asked for, one empty profile here first (the profiler's library binds itself
     to the thread that first starts it; the window opens in the step loop's thread)."""
     sync_debug_mode()
+    if os.environ.get(DIR_ENV):
+        parse_steps(os.environ.get(STEPS_ENV, DEFAULT_STEPS))
     if device != "cuda":
         return
     import torch
@@ -98,7 +127,7 @@ class StepProfiler:
         out_dir = os.environ.get(DIR_ENV)
         if not out_dir:
             return None
-        start, stop = parse_steps(os.environ.get(STEPS_ENV, "100:140"))
+        start, stop = parse_steps(os.environ.get(STEPS_ENV, DEFAULT_STEPS))
         return cls(out_dir, runner.rank, start, stop, runner.device == "cuda")
 
     def on_plan(self) -> None:

@@ -16,7 +16,7 @@ from typing import Optional
 
 from ray_runtime.channel import ERROR, PLAN, RESULT, STOP, Channel, ChannelClosed, Listener
 from ray_runtime.messages import decode_plan, encode
-from stages.profiling import StepProfiler, phase, start_step_loop
+from stages.profiling import StepProfiler, phase, start_step_loop, stop_step_loop
 
 _POLL_S = 0.0002  # how often a waiting loop checks the device while no plan arrives
 
@@ -85,6 +85,7 @@ class StepLoop:
                 except Exception:  # noqa: BLE001 - reported to the driver, which decides
                     pending.append(_describe(self.runner.rank))
         finally:
+            stop_step_loop(self.runner.device)
             if prof is not None:
                 prof.close()
 

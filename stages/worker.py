@@ -97,11 +97,13 @@ class StageWorker:
         called at once, and each returns when all have joined."""
         store = self._store if self.runner.rank == 0 else connect_rendezvous(host, port)
         self._store = None  # the process group keeps what it needs
-        self.runner.init_transport(store)
+        with profiling.sync_allowed():  # forming the link waits for its first message
+            self.runner.init_transport(store)
 
     def close_transport(self) -> None:
         """Leave the link (the driver resets it after a failed step; no step is running)."""
-        self.runner.close_transport()
+        with profiling.sync_allowed():
+            self.runner.close_transport()
 
     def link_info(self) -> dict:
         """Tests: how many times this rank has joined the link, and (rank 0) where its
@@ -123,7 +125,8 @@ class StageWorker:
         return self.loop.address
 
     def check(self) -> None:
-        self.runner.check()
+        with profiling.sync_allowed():  # reads the device's block table back
+            self.runner.check()
 
     def live_req_ids(self) -> list[str]:
         """The requests this rank holds a slot for (the driver's check compares them)."""

@@ -183,3 +183,14 @@ def test_sync_debug_mode_is_checked(monkeypatch):
     monkeypatch.setenv(profiling.SYNC_DEBUG_ENV, "error")
     assert profiling.sync_debug_mode() == "error"
     profiling.start_step_loop("cpu")  # CPU: nothing to set, nothing raised
+
+
+def test_bad_profile_steps_fail_at_stage_start(monkeypatch):
+    """A bad window is refused when the stage starts (naming the variable), not in the step
+    loop's thread, where it would only show as a closed channel."""
+    from stages import profiling
+
+    monkeypatch.setenv(profiling.DIR_ENV, "/tmp/x")
+    monkeypatch.setenv(profiling.STEPS_ENV, "9:3")
+    with pytest.raises(ValueError, match="RAY_RUNTIME_PROFILE_STEPS"):
+        profiling.prepare("cpu")
