@@ -26,6 +26,16 @@ def packed_offsets(sizes: list[int]) -> tuple[list[int], int]:
     return offsets, off
 
 
+def pack(arrays: list[np.ndarray], offsets: list[int], host: np.ndarray) -> None:
+    for a, o in zip(arrays, offsets):
+        host[o:o + a.size] = a.reshape(-1)
+
+
+def unpack(buffer, arrays: list[np.ndarray], offsets: list[int]) -> list:
+    """Views of `buffer` (the device copy of the packed host buffer) shaped as the arrays."""
+    return [buffer[o:o + a.size].view(a.shape) for o, a in zip(offsets, arrays)]
+
+
 class InputStaging:
     def __init__(self, device: str, capacity: int = 1 << 16) -> None:
         self.device = device
@@ -55,11 +65,9 @@ class InputStaging:
         self._turn ^= 1
         if self._copied[i] is not None:
             self._copied[i].synchronize()  # normally long done: two steps ago
-        host = self._host_np[i]
-        for a, o in zip(arrays, offsets):
-            host[o:o + a.size] = a.reshape(-1)
+        pack(arrays, offsets, self._host_np[i])
         self._dev[:total].copy_(self._host[i][:total], non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()
         self._copied[i] = ev
-        return [self._dev[o:o + a.size].view(a.shape) for o, a in zip(offsets, arrays)]
+        return unpack(self._dev, arrays, offsets)
