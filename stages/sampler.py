@@ -3,11 +3,17 @@
 A seeded request draws the token at output index i from a generator seeded with
 (seed, i) alone, so its tokens do not depend on the PP size, the batch it shares, or
 whether it was preempted and recomputed in between.
+
+The draw is the exponential race: argmax(probs / E) with E ~ Exp(1) per token picks token
+t with probability probs[t], like torch.multinomial, but with no host-device sync (CUDA's
+multinomial makes the host wait for the device, once per call). The unseeded rows are
+filtered and drawn together, as one batch; a seeded row draws its E from its own generator.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ray_runtime.sampling_params import SamplingParams
@@ -53,6 +59,44 @@ def apply_filters(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def apply_filters_batch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                        top_p: torch.Tensor, min_p: torch.Tensor, *, max_top_k: int = 0,
+                        any_top_p: bool = True, any_min_p: bool = True) -> torch.Tensor:
+    """apply_filters on every row at once: logits [n, vocab] float32; per row its temperature,
+    top_k (0: off), top_p (1: off) and min_p (0: off), on the logits' device. Host values
+    (the step skips what no row uses): max_top_k, the largest top_k of the rows (0: none);
+    any_top_p, any_min_p: whether any row uses them."""
+    logits = logits / temperature[:, None]
+    vocab = logits.shape[-1]
+    if 0 < max_top_k:
+        kmax = min(max_top_k, vocab)
+        on = (top_k > 0) & (top_k < vocab)
+        k = torch.where(on, top_k, torch.ones_like(top_k)).clamp_(max=kmax)
+        kth = torch.topk(logits, kmax, dim=-1).values.gather(1, (k - 1)[:, None])
+        kth = torch.where(on[:, None], kth, torch.full_like(kth, float("-inf")))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if any_top_p:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop_sorted = ((torch.cumsum(probs, dim=-1) - probs) >= top_p[:, None]) \
+            & (top_p < 1.0)[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if any_min_p:
+        probs = torch.softmax(logits, dim=-1)
+        low = (probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values) \
+            & (min_p > 0.0)[:, None]
+        logits = logits.masked_fill(low, float("-inf"))
+    return logits
+
+
+def race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """argmax over the last dim of probs / E, E ~ Exp(1): a draw from each row of probs. E is
+    kept above 0, so a filtered token (probability 0) is never chosen."""
+    e = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / e.clamp_min_(torch.finfo(e.dtype).tiny)).argmax(dim=-1)
+
+
 class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -64,14 +108,39 @@ class Sampler:
         """The sampled ids as a device tensor [num_reqs], without waiting for the device:
         the caller copies them to the host when it needs them (asynchronously)."""
         tokens = torch.argmax(logits, dim=-1)  # greedy rows keep this
+        free = [i for i, sp in enumerate(params) if not sp.is_greedy and sp.seed is None]
+        if free:
+            tokens[self._host_to_device(np.asarray(free, np.int64))] = \
+                self._sample_free(logits, [params[i] for i in free], free)
         for i, sp in enumerate(params):
-            if sp.is_greedy:
+            if sp.is_greedy or sp.seed is None:
                 continue
             probs = torch.softmax(apply_filters(logits[i], sp), dim=-1)
-            gen = self.unseeded if sp.seed is None else \
-                seeded_generator(sp.seed, output_indices[i], logits.device)
-            tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]
+            tokens[i] = race(probs, seeded_generator(sp.seed, output_indices[i], logits.device))
         return tokens
+
+    def _sample_free(self, logits: torch.Tensor, params: list[SamplingParams],
+                     rows: list[int]) -> torch.Tensor:
+        """The unseeded sampled rows, filtered and drawn as one batch."""
+        knobs = np.array([[sp.temperature, sp.effective_top_k, sp.top_p, sp.min_p]
+                          for sp in params], np.float64)
+        temperature, top_k, top_p, min_p = self._host_to_device(knobs.T.copy()).unbind(0)
+        sub = logits.index_select(0, self._host_to_device(np.asarray(rows, np.int64)))
+        k = knobs[:, 1]
+        k = k[(k > 0) & (k < logits.shape[-1])]
+        filtered = apply_filters_batch(
+            sub, temperature.float(), top_k.long(), top_p.float(), min_p.float(),
+            max_top_k=int(k.max()) if len(k) else 0, any_top_p=bool((knobs[:, 2] < 1.0).any()),
+            any_min_p=bool((knobs[:, 3] > 0.0).any()))
+        return race(torch.softmax(filtered, dim=-1), self.unseeded)
+
+    def _host_to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A small host array on the sampler's device without making the host wait (pinned
+        memory, a non-blocking copy; the caching allocator keeps the buffer until it is done)."""
+        t = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  output_indices: list[int], with_logprobs: bool = True) -> SampleResult:

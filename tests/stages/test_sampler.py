@@ -329,3 +329,59 @@ def test_sampling_params_properties():
     assert SamplingParams(top_k=0).effective_top_k == 0
     assert SamplingParams(top_k=7).effective_top_k == 7
     assert math.isclose(SamplingParams().temperature, 1.0)
+
+
+# ---- the batched draw of unseeded rows ---------------------------------------------------
+
+def _knobs(params):
+    from stages.sampler import apply_filters_batch
+
+    def col(f, dtype):
+        return torch.tensor([f(sp) for sp in params], dtype=dtype)
+
+    return apply_filters_batch, (col(lambda sp: sp.temperature, torch.float32),
+                                 col(lambda sp: sp.effective_top_k, torch.long),
+                                 col(lambda sp: sp.top_p, torch.float32),
+                                 col(lambda sp: sp.min_p, torch.float32))
+
+
+def test_batched_filters_equal_the_per_row_filters():
+    """Every row of a mixed batch is filtered exactly as apply_filters filters it alone."""
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
+              for t in (0.3, 1.0, 1.7) for k in (-1, 1, 7) for p in (1.0, 0.9, 0.2)
+              for m in (0.0, 0.05)]
+    logits = _logits(len(params), 300, seed=11)
+    batch_filters, knobs = _knobs(params)
+    out = batch_filters(logits, *knobs, max_top_k=max(sp.effective_top_k for sp in params))
+    for i, sp in enumerate(params):
+        alone = apply_filters(logits[i], sp)
+        assert torch.equal(torch.isfinite(out[i]), torch.isfinite(alone)), (i, sp)
+        kept = torch.isfinite(alone)
+        torch.testing.assert_close(out[i][kept], alone[kept], rtol=0, atol=0)
+
+
+def test_unseeded_batch_draws_follow_each_rows_filtered_softmax(sampler):
+    """One call draws 3000 rows of each of three settings: each group's frequencies match its
+    own filtered softmax, and no filtered token is ever drawn."""
+    logits = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.0, -2.0, 0.7, 1.4])
+    settings = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.6, top_k=3),
+                SamplingParams(temperature=1.4, top_p=0.7, min_p=0.05)]
+    n = 3000
+    params = [sp for sp in settings for _ in range(n)]
+    toks = torch.tensor(sampler(logits.expand(len(params), -1), params, [0] * len(params)).token_ids)
+    for g, sp in enumerate(settings):
+        probs = torch.softmax(apply_filters(logits.clone(), sp).double(), dim=-1)
+        counts = torch.bincount(toks[g * n:(g + 1) * n], minlength=8).double()
+        assert (counts[probs == 0] == 0).all(), (sp, counts)
+        assert torch.allclose(counts / n, probs, atol=0.03), (sp, counts / n, probs)
+
+
+def test_race_never_draws_a_zero_probability_token():
+    from stages.sampler import race
+
+    probs = torch.zeros(4000, 50)
+    probs[:, 7] = 0.25
+    probs[:, 31] = 0.75
+    drawn = race(probs, torch.Generator().manual_seed(0))
+    assert set(drawn.tolist()) == {7, 31}
+    assert abs((drawn == 31).double().mean().item() - 0.75) < 0.03
