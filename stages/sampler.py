@@ -122,16 +122,18 @@ class Sampler:
     def _sample_free(self, logits: torch.Tensor, params: list[SamplingParams],
                      rows: list[int]) -> torch.Tensor:
         """The unseeded sampled rows, filtered and drawn as one batch."""
-        knobs = np.array([[sp.temperature, sp.effective_top_k, sp.top_p, sp.min_p]
-                          for sp in params], np.float64)
-        temperature, top_k, top_p, min_p = self._host_to_device(knobs.T.copy()).unbind(0)
-        sub = logits.index_select(0, self._host_to_device(np.asarray(rows, np.int64)))
-        k = knobs[:, 1]
-        k = k[(k > 0) & (k < logits.shape[-1])]
+        vocab = logits.shape[-1]
+        knobs = np.array([[sp.temperature, sp.top_p, sp.min_p] for sp in params], np.float32)
+        # top_k in int64, 0 where it is off (a k of vocab or more keeps every token)
+        k = np.array([sp.effective_top_k for sp in params], np.int64)
+        k[k >= vocab] = 0
+        ints = np.concatenate([np.asarray(rows, np.int64), k])
+        temperature, top_p, min_p = self._host_to_device(knobs.T.copy()).unbind(0)
+        index, top_k = self._host_to_device(ints).split(len(rows))
         filtered = apply_filters_batch(
-            sub, temperature.float(), top_k.long(), top_p.float(), min_p.float(),
-            max_top_k=int(k.max()) if len(k) else 0, any_top_p=bool((knobs[:, 2] < 1.0).any()),
-            any_min_p=bool((knobs[:, 3] > 0.0).any()))
+            logits.index_select(0, index), temperature, top_k, top_p, min_p,
+            max_top_k=int(k.max()), any_top_p=bool((knobs[:, 1] < 1.0).any()),
+            any_min_p=bool((knobs[:, 2] > 0.0).any()))
         return race(torch.softmax(filtered, dim=-1), self.unseeded)
 
     def _host_to_device(self, array: np.ndarray) -> torch.Tensor:

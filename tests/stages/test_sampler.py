@@ -361,11 +361,13 @@ def test_batched_filters_equal_the_per_row_filters():
 
 
 def test_unseeded_batch_draws_follow_each_rows_filtered_softmax(sampler):
-    """One call draws 3000 rows of each of three settings: each group's frequencies match its
+    """One call draws 3000 rows of each of four settings: each group's frequencies match its
     own filtered softmax, and no filtered token is ever drawn."""
+    sampler.unseeded.manual_seed(5)
     logits = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.0, -2.0, 0.7, 1.4])
     settings = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.6, top_k=3),
-                SamplingParams(temperature=1.4, top_p=0.7, min_p=0.05)]
+                SamplingParams(temperature=1.4, top_p=0.7, min_p=0.05),
+                SamplingParams(temperature=1.0, min_p=0.2, top_k=8)]  # min_p drops 3 tokens
     n = 3000
     params = [sp for sp in settings for _ in range(n)]
     toks = torch.tensor(sampler(logits.expand(len(params), -1), params, [0] * len(params)).token_ids)
@@ -385,3 +387,49 @@ def test_race_never_draws_a_zero_probability_token():
     drawn = race(probs, torch.Generator().manual_seed(0))
     assert set(drawn.tolist()) == {7, 31}
     assert abs((drawn == 31).double().mean().item() - 0.75) < 0.03
+
+
+def test_mixed_batch_lands_each_draw_on_its_own_row(sampler):
+    """Greedy, seeded and unseeded rows interleaved, each with its own argmax (the rows top-2
+    gap is at least 0.0137, so at T=1e-4 a draw is its argmax but for e^-137): the unseeded
+    rows run at top_k=1 (so their draw is their argmax) among rows whose top_k is off (0,
+    -1, vocab, more), and every row's token is its own row's."""
+    vocab = 64
+    logits = _logits(12, vocab, seed=21)
+    want = torch.argmax(logits, dim=-1).tolist()
+    params = []
+    for i in range(12):
+        if i % 3 == 0:
+            params.append(SamplingParams(temperature=0.0))
+        elif i % 3 == 1:
+            params.append(SamplingParams(temperature=50.0, top_k=1))
+        else:
+            params.append(SamplingParams(temperature=1e-4, top_k=(0, -1, vocab, 10 * vocab)[i % 4],
+                                         seed=(i if i % 2 else None)))
+    got = sampler(logits, params, list(range(12))).token_ids
+    assert got == want, (got, want)
+
+
+def test_top_k_off_rows_beside_top_k_rows_keep_every_token():
+    """Through the sampler's own host path (_sample_free): a row whose top_k is off (0, -1,
+    >= vocab) keeps every token while another row of the batch uses top_k=2."""
+    from stages.sampler import race as real_race
+    import stages.sampler as sampler_mod
+
+    seen = {}
+
+    def spy(probs, generator):
+        seen["probs"] = probs.clone()
+        return real_race(probs, generator)
+
+    vocab = 16
+    logits = _logits(5, vocab, seed=8, scale=0.5)
+    params = [SamplingParams(temperature=1.0, top_k=k) for k in (2, 0, -1, vocab, vocab + 5)]
+    orig = sampler_mod.race
+    sampler_mod.race = spy
+    try:
+        Sampler(CPU)(logits, params, [0] * 5)
+    finally:
+        sampler_mod.race = orig
+    kept = (seen["probs"] > 0).sum(dim=-1).tolist()
+    assert kept == [2, vocab, vocab, vocab, vocab], kept
