@@ -110,8 +110,8 @@ class Sampler:
         tokens = torch.argmax(logits, dim=-1)  # greedy rows keep this
         free = [i for i, sp in enumerate(params) if not sp.is_greedy and sp.seed is None]
         if free:
-            tokens[self._host_to_device(np.asarray(free, np.int64))] = \
-                self._sample_free(logits, [params[i] for i in free], free)
+            index, drawn = self._sample_free(logits, [params[i] for i in free], free)
+            tokens[index] = drawn
         for i, sp in enumerate(params):
             if sp.is_greedy or sp.seed is None:
                 continue
@@ -120,8 +120,9 @@ class Sampler:
         return tokens
 
     def _sample_free(self, logits: torch.Tensor, params: list[SamplingParams],
-                     rows: list[int]) -> torch.Tensor:
-        """The unseeded sampled rows, filtered and drawn as one batch."""
+                     rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unseeded sampled rows, filtered and drawn as one batch: (their row indices on
+        the device, their tokens)."""
         vocab = logits.shape[-1]
         knobs = np.array([[sp.temperature, sp.top_p, sp.min_p] for sp in params], np.float32)
         # top_k in int64, 0 where it is off (a k of vocab or more keeps every token)
@@ -134,7 +135,7 @@ class Sampler:
             logits.index_select(0, index), temperature, top_k, top_p, min_p,
             max_top_k=int(k.max()), any_top_p=bool((knobs[:, 1] < 1.0).any()),
             any_min_p=bool((knobs[:, 2] > 0.0).any()))
-        return race(torch.softmax(filtered, dim=-1), self.unseeded)
+        return index, race(torch.softmax(filtered, dim=-1), self.unseeded)
 
     def _host_to_device(self, array: np.ndarray) -> torch.Tensor:
         """A small host array on the sampler's device without making the host wait (pinned
