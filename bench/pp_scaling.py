@@ -77,6 +77,11 @@ def random_llama8b(path: str) -> str:
     return path
 
 
+def partition_suffix(part: str) -> str:
+    """How a layer partition shows in run names and result keys ("" for the even split)."""
+    return "" if part == "even" else "_partition_" + part.replace(",", "_")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--requests", type=int, default=256)
@@ -117,7 +122,7 @@ def main() -> None:
     for pp, mode, fb, inflight, part in runs:
         blocks = args.requests * ((args.input_len + longest) // 16 + 2)
         name = f"pp{pp}_{mode}" + (f"_feedback_{fb}" if pp > 1 and mode == "async" else "") \
-            + (f"_partition_{part.replace(',', '_')}" if part != "even" else "")
+            + partition_suffix(part)
         with LLM(model, pipeline_parallel_size=pp, device="cuda", dtype="bfloat16",
                  max_num_seqs=args.requests, max_num_batched_tokens=8192, num_kv_blocks=blocks,
                  max_model_len=args.input_len + longest + 16,
@@ -165,8 +170,7 @@ def main() -> None:
         if r["pp"] > 1 and r["async"] and base:
             key = f"pp{r['pp']}_out{r['output_len']}" + ("" if r["feedback"] else "_no_feedback") \
                 + (f"_inflight{r['max_inflight_steps']}" if args.inflight != [0] else "") \
-                + (f"_partition_{r['partition'].replace(',', '_')}" if r["partition"] != "even"
-                   else "")
+                + partition_suffix(r["partition"])
             eff = r["output_tok_s"] / (r["pp"] * base)
             result[key + "_scaling_efficiency"] = round(eff, 3)
             share = pp1.get((r["output_len"], args.requests // r["pp"]))
@@ -180,8 +184,7 @@ def main() -> None:
         key = (r["pp"], r["output_len"], r["partition"])
         if r["async"] and r["feedback"] == (r["pp"] > 1) and r["requests"] == args.requests \
                 and key in sync:
-            part = f"_partition_{r['partition'].replace(',', '_')}" \
-                if r["partition"] != "even" else ""
+            part = partition_suffix(r["partition"])
             result[f"async_speedup_pp{r['pp']}_out{r['output_len']}{part}"] = round(
                 r["output_tok_s"] / sync[key], 3)
     print({k: v for k, v in result.items() if "efficiency" in k or "speedup" in k or "ceiling" in k})
