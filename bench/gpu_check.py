@@ -1,6 +1,7 @@
 """The runtime on GPUs, as it stands (torch reference attention, NCCL between stages):
-greedy agreement with HF on the GPU (fp32 exact, bf16 as a rate) and throughput against HF
-`generate` on the same GPU, PP=1 vs PP=2, async vs sync.
+greedy agreement with HF on the GPU (fp32 exact, bf16 as a rate), a sampled workload (seeded
+draws equal across PP sizes and within a batch), and throughput against HF `generate` on the
+same GPU, PP=1 vs PP=2, async vs sync.
 
   python bench/gpu_check.py [--requests 64] [--max-tokens 64] [--skip-throughput] [--sync-debug error]
 
@@ -82,6 +83,56 @@ def agreement(model_dir, dtype_name, pp_sizes, n_req, n_tok, rng):
     return rows
 
 
+SAMPLED_SETTINGS = [dict(), dict(temperature=0.8, top_p=0.9), dict(temperature=0.7, top_k=20),
+                    dict(temperature=1.0, min_p=0.05), dict(temperature=0.9, top_k=50, top_p=0.95)]
+
+
+def sampled(model_dir, pp_sizes, n_req, n_tok, rng, device="cuda"):
+    """Sampled requests (the OpenAI default temperature 1.0, top-p, top-k, min-p, some seeded)
+    in one batch beside greedy ones, at each PP size, under the stages' sync audit: every
+    request gets its n_tok tokens, two requests with the same prompt and seed draw the same
+    tokens, and a seeded request draws the same tokens at every PP size (a seed's draws depend
+    on the seed and the output index only)."""
+    from ray_runtime import LLM, SamplingParams
+
+    prompts = [[rng.randrange(3, 2048) for _ in range(rng.randint(16, 200))] for _ in range(n_req)]
+    params = []
+    for i in range(n_req):
+        if i % 6 == 3:  # a twin of request i - 3: its prompt and its seeded params
+            prompts[i] = prompts[i - 3]
+            params.append(params[i - 3])
+            continue
+        kw = dict(SAMPLED_SETTINGS[i % len(SAMPLED_SETTINGS)])
+        if i % 6 == 0:
+            kw["seed"] = 1000 + i
+        elif i % 6 == 5:
+            kw = dict(temperature=0)
+        params.append(SamplingParams(max_tokens=n_tok, ignore_eos=True, **kw))
+    rows, seeded_by_pp = [], {}
+    for pp in pp_sizes:
+        with LLM(model_dir, pipeline_parallel_size=pp, device=device, dtype="float32",
+                 max_num_batched_tokens=512, num_kv_blocks=2048) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            mism = llm.stats()["bookkeeping_mismatches"]
+        toks = [o.outputs[0].token_ids for o in outs]
+        full = sum(len(t) == n_tok for t in toks)
+        twins = [(i - 3, i) for i in range(n_req) if i % 6 == 3]
+        twins_equal = sum(toks[a] == toks[b] for a, b in twins)
+        seeded_by_pp[pp] = {i: toks[i] for i in range(n_req) if params[i].seed is not None}
+        distinct = len({tuple(t) for t in toks})
+        rows.append({"pp": pp, "requests": n_req, "tokens": n_tok, "full_length": full,
+                     "seed_twins": len(twins), "seed_twins_equal": twins_equal,
+                     "distinct_outputs": distinct, "bookkeeping_mismatches": mism})
+        print(f"sampled PP={pp}: {full}/{n_req} full length, seed twins {twins_equal}/{len(twins)} equal, "
+              f"{distinct} distinct outputs", flush=True)
+    base = seeded_by_pp[pp_sizes[0]]
+    for row in rows:
+        other = seeded_by_pp[row["pp"]]
+        row["seeded_equal_to_pp%d" % pp_sizes[0]] = sum(other[i] == base[i] for i in base)
+        row["seeded"] = len(base)
+    return rows
+
+
 def throughput(model_dir, n_req, out_len, rng, pp_sizes):
     from transformers import AutoModelForCausalLM
 
@@ -150,6 +201,7 @@ def main() -> None:
     result = {"gpus": torch.cuda.device_count(), "sync_debug": args.sync_debug, "agreement": []}
     result["agreement"] += agreement(small, "float32", pps, 32, 32, rng)
     result["agreement"] += agreement(small, "bfloat16", pps[:1], 200, 32, rng)
+    result["sampled"] = sampled(small, pps, 48, 24, rng)
     if not args.skip_throughput:
         big = qwen3_dir(args.root, args.layers, torch.bfloat16, small=False)
         result["throughput"] = throughput(big, args.requests, args.max_tokens, rng, pps)
