@@ -48,7 +48,10 @@ def _device(kernels: list[dict], steps: int, top: int) -> dict:
     by_stream = collections.defaultdict(list)
     for e in kernels:
         by_stream[e["args"].get("stream")].append(e)
-    stream, ks = max(by_stream.items(), key=lambda kv: sum(e["dur"] for e in kv[1]))
+    # The compute stream: the most kernel time that is not NCCL's (a send posted early spins
+    # on its stream until the peer receives, so NCCL's stream can look the busiest).
+    stream, ks = max(by_stream.items(), key=lambda kv: sum(
+        e["dur"] for e in kv[1] if not e["name"].startswith("nccl")))
     ks.sort(key=lambda e: e["ts"])
     span = ks[-1]["ts"] + ks[-1]["dur"] - ks[0]["ts"]
     gaps = [b["ts"] - a["ts"] - a["dur"] for a, b in zip(ks, ks[1:])]
