@@ -66,7 +66,8 @@ class LastRank:
     def _sample_deferred(self, hidden: torch.Tensor, inputs: StepInputs,
                          params: list[SamplingParams], step: LaunchedStep) -> None:
         b = self.batch
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.device.sample_token_index))
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.device.sample_token_index),
+                                           upcast=Sampler.needs_float32(params))
         tokens = self.sampler.sample(logits, params, inputs.sample_output_index)
         slots = inputs.sample_slots
         self.last_sampled[inputs.device.sample_slots] = tokens

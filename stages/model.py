@@ -258,8 +258,12 @@ class StageModel(nn.Module):
             x, residual = layer(x, residual, cos, sin, meta, kv)
         return x if residual is None else residual + x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden)).float()
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """Logits in float32; upcast=False keeps the model's dtype, which is enough for an
+        argmax (the conversion is exact and keeps the order, ties included) and saves a
+        [rows, vocab] copy and half the argmax's reads on the last rank's every step."""
+        logits = self.lm_head(self.norm(hidden))
+        return logits.float() if upcast else logits
 
     # ---- loading -------------------------------------------------------------------------
     def checkpoint_names(self) -> dict[str, str]:

@@ -103,10 +103,17 @@ class Sampler:
         self.unseeded = torch.Generator(device=device)
         self.unseeded.seed()
 
+    @staticmethod
+    def needs_float32(params: list[SamplingParams]) -> bool:
+        """Whether sample() needs float32 logits for these rows: an all-greedy batch is an
+        argmax, which the model's dtype gives exactly (bf16 -> float32 keeps every order)."""
+        return not all(sp.is_greedy for sp in params)
+
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                output_indices: list[int]) -> torch.Tensor:
         """The sampled ids as a device tensor [num_reqs], without waiting for the device:
-        the caller copies them to the host when it needs them (asynchronously)."""
+        the caller copies them to the host when it needs them (asynchronously). logits:
+        float32, or the model's dtype where needs_float32(params) is False."""
         tokens = torch.argmax(logits, dim=-1)  # greedy rows keep this
         free = [i for i, sp in enumerate(params) if not sp.is_greedy and sp.seed is None]
         if free:

@@ -433,3 +433,23 @@ def test_top_k_off_rows_beside_top_k_rows_keep_every_token():
         sampler_mod.race = orig
     kept = (seen["probs"] > 0).sum(dim=-1).tolist()
     assert kept == [2, vocab, vocab, vocab, vocab], kept
+
+
+# ---- greedy in the model's dtype -----------------------------------------------------------
+
+def test_greedy_batch_in_bf16_equals_float32_argmax_ties_included(sampler):
+    logits = _logits(64, 300, seed=11).to(torch.bfloat16)
+    logits[::3, 7] = logits[::3].max(dim=-1).values  # exact ties with an earlier or later max
+    logits[1::3, 250] = logits[1::3].max(dim=-1).values
+    params = [SamplingParams(temperature=0.0)] * 64
+    assert not Sampler.needs_float32(params)
+    ours = sampler.sample(logits, params, [0] * 64)
+    assert ours.tolist() == torch.argmax(logits.float(), dim=-1).tolist()
+
+
+def test_any_sampled_row_needs_float32_logits():
+    greedy = SamplingParams(temperature=0.0)
+    assert Sampler.needs_float32([greedy, SamplingParams(temperature=0.7)])
+    assert Sampler.needs_float32([SamplingParams()])  # the default temperature is 1.0
+    assert Sampler.needs_float32([greedy, SamplingParams(temperature=0.5, seed=3)])
+    assert not Sampler.needs_float32([greedy, SamplingParams(temperature=0.0, top_k=5)])
