@@ -92,7 +92,9 @@ def sampled(model_dir, pp_sizes, n_req, n_tok, rng, device="cuda"):
     in one batch beside greedy ones, at each PP size, under the stages' sync audit: every
     request gets its n_tok tokens, two requests with the same prompt and seed draw the same
     tokens, and a seeded request draws the same tokens at every PP size (a seed's draws depend
-    on the seed and the output index only)."""
+    on the seed and the output index only). Then the same requests with logprobs or penalties
+    on some rows (the step reads its samples at once): seeded and greedy rows without
+    penalties draw what they drew before, and each logprobs request has an entry per token."""
     from ray_runtime import LLM, SamplingParams
 
     prompts = [[rng.randrange(3, 2048) for _ in range(rng.randint(16, 200))] for _ in range(n_req)]
@@ -108,23 +110,41 @@ def sampled(model_dir, pp_sizes, n_req, n_tok, rng, device="cuda"):
         elif i % 6 == 5:
             kw = dict(temperature=0)
         params.append(SamplingParams(max_tokens=n_tok, ignore_eos=True, **kw))
+    # The same batch again with logprobs on some rows and penalties on others: the step then
+    # reads its samples on the host at once (the immediate path, not the deferred one).
+    import msgspec
+
+    immediate = [msgspec.structs.replace(sp, logprobs=3) if i % 4 == 1 else
+                 msgspec.structs.replace(sp, presence_penalty=0.5) if i % 8 == 2 and sp.seed is None
+                 else sp for i, sp in enumerate(params)]
+    unchanged = [i for i, sp in enumerate(immediate) if not sp.uses_penalties
+                 and (sp.seed is not None or sp.is_greedy)]
     rows, seeded_by_pp = [], {}
     for pp in pp_sizes:
         with LLM(model_dir, pipeline_parallel_size=pp, device=device, dtype="float32",
                  max_num_batched_tokens=512, num_kv_blocks=2048) as llm:
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            reqs = [{"prompt_token_ids": p} for p in prompts]
+            outs = llm.generate(reqs, params)
+            outs2 = llm.generate(reqs, immediate)
             mism = llm.stats()["bookkeeping_mismatches"]
         toks = [o.outputs[0].token_ids for o in outs]
-        full = sum(len(t) == n_tok for t in toks)
+        toks2 = [o.outputs[0].token_ids for o in outs2]
+        full = sum(len(t) == n_tok for t in toks + toks2)
         twins = [(i - 3, i) for i in range(n_req) if i % 6 == 3]
-        twins_equal = sum(toks[a] == toks[b] for a, b in twins)
+        twins_equal = sum(toks[a] == toks[b] and toks2[a] == toks2[b] for a, b in twins)
         seeded_by_pp[pp] = {i: toks[i] for i in range(n_req) if params[i].seed is not None}
+        with_lp = [o.outputs[0] for o, sp in zip(outs2, immediate) if sp.logprobs is not None]
+        logprobs_ok = sum(len(c.logprobs or []) == n_tok and all(
+            len(e) >= 1 and t in e and e[t].logprob <= 0 for t, e in zip(c.token_ids, c.logprobs))
+            for c in with_lp)
         distinct = len({tuple(t) for t in toks})
-        rows.append({"pp": pp, "requests": n_req, "tokens": n_tok, "full_length": full,
+        rows.append({"pp": pp, "requests": 2 * n_req, "tokens": n_tok, "full_length": full,
                      "seed_twins": len(twins), "seed_twins_equal": twins_equal,
-                     "distinct_outputs": distinct, "bookkeeping_mismatches": mism})
-        print(f"sampled PP={pp}: {full}/{n_req} full length, seed twins {twins_equal}/{len(twins)} equal, "
-              f"{distinct} distinct outputs", flush=True)
+                     "distinct_outputs": distinct, "bookkeeping_mismatches": mism,
+                     "immediate_path_equal": sum(toks[i] == toks2[i] for i in unchanged),
+                     "immediate_path_compared": len(unchanged),
+                     "logprob_requests_ok": logprobs_ok, "logprob_requests": len(with_lp)})
+        print(f"sampled PP={pp}: {rows[-1]}", flush=True)
     base = seeded_by_pp[pp_sizes[0]]
     for row in rows:
         other = seeded_by_pp[row["pp"]]

@@ -1,7 +1,8 @@
 """What drawing a step's tokens costs on the last rank, per sampling setting: Sampler.sample on
 [rows, vocab] float32 logits, median over repeats; with --baseline, the same calls on the
 stages/sampler.py of another checkout (e.g. `git archive REV | tar -x -C .base`), side by side
-in one run. On CUDA the time is the host's plus the device's (synchronized after each call);
+in one run. The logprobs setting times Sampler.__call__ (tokens and logprobs read to the host). On CUDA
+the time is the host's plus the device's (synchronized after each call);
 a sampler that makes the host wait mid-call shows there too.
 
   python bench/sampler_cost.py [--device cpu] [--rows 256] [--vocab 32000 151936]
@@ -28,6 +29,8 @@ SETTINGS = {
     "top_p": dict(temperature=0.8, top_p=0.95),
     "top_k_top_p": dict(temperature=0.7, top_k=50, top_p=0.9),
     "seeded": dict(temperature=0.8, seed=1),
+    # through Sampler.__call__, which also reads the tokens and their logprobs to the host
+    "greedy_logprobs_5": dict(temperature=0.0, logprobs=5),
 }
 
 
@@ -42,13 +45,16 @@ def load_sampler(root: str):
 
 
 def time_calls(sampler, logits, params, repeats: int, cuda: bool) -> float:
+    """Sampler.sample (the draw, left on the device), or Sampler.__call__ (the tokens and
+    their logprobs on the host) where the rows ask for logprobs."""
     idx = list(range(len(params)))
+    call = sampler if params[0].logprobs is not None else sampler.sample
     times = []
     for _ in range(repeats + 2):
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        sampler.sample(logits, params, idx)
+        call(logits, params, idx)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)

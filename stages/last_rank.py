@@ -9,6 +9,7 @@ import torch
 from ray_runtime.config import EngineConfig
 from ray_runtime.messages import SamplerOutput
 from ray_runtime.sampling_params import SamplingParams
+from stages import profiling
 from stages.draft_model import DraftModelProposer
 from stages.input_batch import InputBatch
 from stages.model_spec import ModelSpec
@@ -46,7 +47,11 @@ class LastRank:
         if self._can_defer(params):
             self._sample_deferred(hidden, inputs, params, step)
             return
-        out = self._sample(step_id, hidden, inputs)
+        # The host needs these tokens now (drafts to verify and propose, the history that
+        # penalties read, logprobs): the one place a step waits for its device on purpose
+        # (docs/invariants.md 6), for all its rows at once.
+        with profiling.sync_allowed():
+            out = self._sample(step_id, hidden, inputs)
         # The last rank holds its samples at once: with PP=1 the next plan may already
         # compute on them before the driver has seen them (placeholders).
         self.batch.append_samples(out.req_ids, out.sampled_token_ids)
@@ -172,14 +177,21 @@ class LastRank:
                          params: list[SamplingParams]) -> None:
         """Per request, an entry for each emitted token: emitted token j was predicted at
         the request's j-th sampled position (its last known token, then its drafts)."""
-        ids, vals, ranks = [], [], []
+        rows, tokens, nums, counts = [], [], [], []
         for lg, toks, sp in zip(logits, out.sampled_token_ids, params):
-            entries = [] if sp.logprobs is None else [
-                token_logprobs(row, t, sp.logprobs)
-                for row, t in zip(torch.log_softmax(lg[:len(toks)], dim=-1), toks)]
-            ids.append([e[0] for e in entries])
-            vals.append([e[1] for e in entries])
-            ranks.append([e[2] for e in entries])
+            counts.append(0 if sp.logprobs is None else len(toks))
+            if counts[-1]:
+                rows.append(lg[:len(toks)])
+                tokens += toks
+                nums += [sp.logprobs] * len(toks)
+        entries = token_logprobs(torch.log_softmax(torch.cat(rows), dim=-1), tokens, nums) \
+            if rows else []
+        ids, vals, ranks, at = [], [], [], 0
+        for n in counts:
+            ids.append([e[0] for e in entries[at:at + n]])
+            vals.append([e[1] for e in entries[at:at + n]])
+            ranks.append([e[2] for e in entries[at:at + n]])
+            at += n
         out.logprob_token_ids, out.logprobs, out.num_logprob_ranks = ids, vals, ranks
 
     def _propose(self, req_ids: list[str]) -> list[list[int]]:

@@ -169,22 +169,32 @@ class Sampler:
                               [0] * len(params), any_logprobs=any(w is not None for w in wanted))
         if not result.any_logprobs:
             return result
-        logprobs = torch.log_softmax(logits, dim=-1)
-        for i, n in enumerate(wanted):
-            if n is None:
-                continue
-            result.logprob_token_ids[i], result.logprobs[i], result.ranks[i] = \
-                token_logprobs(logprobs[i], tokens[i], n)
+        rows = [i for i, n in enumerate(wanted) if n is not None]
+        entries = token_logprobs(torch.log_softmax(logits[rows], dim=-1),
+                                 [tokens[i] for i in rows], [wanted[i] for i in rows])
+        for i, (ids, vals, rank) in zip(rows, entries):
+            result.logprob_token_ids[i], result.logprobs[i], result.ranks[i] = ids, vals, rank
         return result
 
 
-def token_logprobs(logprobs: torch.Tensor, token: int, n: int) -> tuple[list[int], list[float], int]:
-    """One emitted token's entry, from the raw model logprobs (log_softmax of the logits,
-    before temperature and filters, as vLLM reports by default): [chosen, top-1..top-n] ids
-    and logprobs, and the chosen token's rank (1 = most likely)."""
-    chosen = logprobs[token]
-    top = torch.topk(logprobs, n) if n > 0 else None
-    ids = [token] + (top.indices.tolist() if top is not None else [])
-    vals = [float(chosen)] + (top.values.tolist() if top is not None else [])
-    return ids, vals, int((logprobs > chosen).sum()) + 1
-
+def token_logprobs(logprobs: torch.Tensor, tokens: list[int],
+                   nums: list[int]) -> list[tuple[list[int], list[float], int]]:
+    """Each emitted token's entry, from the raw model logprobs (log_softmax of the logits,
+    before temperature and filters, as vLLM reports by default). logprobs: [E, vocab], one row
+    per entry; tokens[e] the token emitted there, nums[e] how many top logprobs it asks for.
+    Per entry: [chosen, top-1..top-n] ids and logprobs, and the chosen token's rank (1 = most
+    likely). Computed for all entries at once: the host waits for the device once per call,
+    not once per row."""
+    if not tokens:
+        return []
+    index = torch.tensor(tokens, dtype=torch.long).to(logprobs.device, non_blocking=True)
+    chosen = logprobs.gather(1, index[:, None])
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    width = max(nums)
+    top_ids = top_vals = None
+    if width > 0:
+        top = torch.topk(logprobs, width, dim=-1)
+        top_ids, top_vals = top.indices.tolist(), top.values.tolist()
+    chosen_l, ranks_l = chosen[:, 0].tolist(), ranks.tolist()
+    return [([t] + (top_ids[e][:n] if n else []), [chosen_l[e]] + (top_vals[e][:n] if n else []),
+             ranks_l[e]) for e, (t, n) in enumerate(zip(tokens, nums))]

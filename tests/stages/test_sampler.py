@@ -453,3 +453,23 @@ def test_any_sampled_row_needs_float32_logits():
     assert Sampler.needs_float32([SamplingParams()])  # the default temperature is 1.0
     assert Sampler.needs_float32([greedy, SamplingParams(temperature=0.5, seed=3)])
     assert not Sampler.needs_float32([greedy, SamplingParams(temperature=0.0, top_k=5)])
+
+
+def test_token_logprobs_for_many_rows_at_once_equal_row_by_row():
+    from stages.sampler import token_logprobs
+
+    logits = _logits(40, 120, seed=12)
+    logits[5, 17] = logits[5, 3] = logits[5].max() + 1.0  # a tie at the top
+    lp = torch.log_softmax(logits, dim=-1)
+    tokens = [int(t) for t in torch.randint(0, 120, (40,), generator=torch.Generator().manual_seed(1))]
+    tokens[5] = 17
+    nums = [i % 6 for i in range(40)]  # 0 (the chosen token only) to 5, mixed in one call
+    got = token_logprobs(lp, tokens, nums)
+    assert len(got) == 40
+    for row, t, n, (ids, vals, rank) in zip(lp, tokens, nums, got):
+        top = torch.topk(row, n) if n else None
+        assert ids == [t] + (top.indices.tolist() if n else [])
+        assert vals == [float(row[t])] + (top.values.tolist() if n else [])
+        assert rank == int((row > row[t]).sum()) + 1
+    assert got[5][2] == 1  # tied with the other top token: both rank 1
+    assert token_logprobs(lp[:0], [], []) == []
