@@ -25,7 +25,7 @@ from stages.model import attention_metadata, build_stage, token_layout
 from stages.model_spec import ModelSpec
 from stages.plan_view import PlanView, plan_view
 from stages.profiling import phase
-from stages.staging import InputStaging
+from stages.staging import InputStaging, to_device_async
 from stages.step_types import DeviceInputs, LaunchedStep, StepInputs
 from stages.token_feedback import TokenReceiver, TokenSender, num_samples
 from stages.transport import StageTransport
@@ -293,8 +293,9 @@ class StageRunner:
             return step.deferred.on_device
         out = step.sampler_output
         assert all(len(t) == 1 for t in out.sampled_token_ids), "token feedback with drafts"
-        return torch.tensor([t[0] for t in out.sampled_token_ids], dtype=torch.long,
-                            device=self.device)
+        # not torch.tensor(list, device=...): a pageable copy, which waits for the device
+        return to_device_async(np.array([t[0] for t in out.sampled_token_ids], np.int64),
+                               self.device)
 
     def step_done(self, step: "LaunchedStep") -> bool:
         """Whether finish(step) would return without waiting for the device (or, on rank 0

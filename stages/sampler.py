@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ray_runtime.sampling_params import SamplingParams
+from stages.staging import to_device_async
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, index) pairs over the generator's seed space
 
@@ -136,21 +137,13 @@ class Sampler:
         k = np.array([sp.effective_top_k for sp in params], np.int64)
         k[k >= vocab] = 0
         ints = np.concatenate([np.asarray(rows, np.int64), k])
-        temperature, top_p, min_p = self._host_to_device(knobs.T.copy()).unbind(0)
-        index, top_k = self._host_to_device(ints).split(len(rows))
+        temperature, top_p, min_p = to_device_async(knobs.T.copy(), self.device).unbind(0)
+        index, top_k = to_device_async(ints, self.device).split(len(rows))
         filtered = apply_filters_batch(
             logits.index_select(0, index), temperature, top_k, top_p, min_p,
             max_top_k=int(k.max()), any_top_p=bool((knobs[:, 1] < 1.0).any()),
             any_min_p=bool((knobs[:, 2] > 0.0).any()))
         return index, race(torch.softmax(filtered, dim=-1), self.unseeded)
-
-    def _host_to_device(self, array: np.ndarray) -> torch.Tensor:
-        """A small host array on the sampler's device without making the host wait (pinned
-        memory, a non-blocking copy; the caching allocator keeps the buffer until it is done)."""
-        t = torch.from_numpy(array)
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  output_indices: list[int], with_logprobs: bool = True) -> SampleResult:

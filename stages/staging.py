@@ -14,6 +14,16 @@ import numpy as np
 import torch
 
 
+def to_device_async(array: np.ndarray, device) -> torch.Tensor:
+    """A small host array on `device` without making the host wait: for CUDA through pinned
+    memory and a non-blocking copy (the caching host allocator keeps the pinned buffer until
+    the copy is done); for the CPU the array itself, shared."""
+    t = torch.from_numpy(np.ascontiguousarray(array))
+    if torch.device(device).type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def packed_offsets(sizes: list[int]) -> tuple[list[int], int]:
     """Where each of the arrays (int64 element counts) starts in the staging buffer, and the
     elements used. Each starts on a 16-byte boundary (an even offset): Triton specializes a
