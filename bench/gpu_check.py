@@ -153,6 +153,16 @@ def sampled(model_dir, pp_sizes, n_req, n_tok, rng, device="cuda"):
     return rows
 
 
+def seeded_noise_matches_cpu() -> bool:
+    """A seed's noise bits on this GPU equal the CPU's (int64 wrap-around on both)."""
+    from stages.seeded_noise import request_key, uniform_bits
+
+    keys = [request_key(s, i) for s in (0, 1, -7, 2 ** 62) for i in (0, 1, 1000)]
+    same = torch.equal(uniform_bits(keys, 151936, "cuda").cpu(), uniform_bits(keys, 151936, "cpu"))
+    print(f"seeded noise bits on the GPU equal the CPU's: {same}", flush=True)
+    return same
+
+
 def throughput(model_dir, n_req, out_len, rng, pp_sizes):
     from transformers import AutoModelForCausalLM
 
@@ -222,6 +232,7 @@ def main() -> None:
     result["agreement"] += agreement(small, "float32", pps, 32, 32, rng)
     result["agreement"] += agreement(small, "bfloat16", pps[:1], 200, 32, rng)
     result["sampled"] = sampled(small, pps, 48, 24, rng)
+    result["seeded_noise_bits_equal_cpu"] = seeded_noise_matches_cpu()
     if not args.skip_throughput:
         big = qwen3_dir(args.root, args.layers, torch.bfloat16, small=False)
         result["throughput"] = throughput(big, args.requests, args.max_tokens, rng, pps)

@@ -1,13 +1,12 @@
 """Sampling on the last rank: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
 
-A seeded request draws the token at output index i from a generator seeded with
-(seed, i) alone, so its tokens do not depend on the PP size, the batch it shares, or
-whether it was preempted and recomputed in between.
-
 The draw is the exponential race: argmax(probs / E) with E ~ Exp(1) per token picks token
 t with probability probs[t], like torch.multinomial, but with no host-device sync (CUDA's
-multinomial makes the host wait for the device, once per call). The unseeded rows are
-filtered and drawn together, as one batch; a seeded row draws its E from its own generator.
+multinomial makes the host wait for the device, once per call). Every sampled row of a step
+is filtered and drawn in one batch. A seeded request's E at output index i is a function of
+(seed, i) alone (stages/seeded_noise.py), so its tokens do not depend on the PP size, the
+batch it shares, or whether it was preempted and recomputed in between; the other rows' E
+come from the sampler's generator.
 """
 from __future__ import annotations
 
@@ -17,6 +16,7 @@ import numpy as np
 import torch
 
 from ray_runtime.sampling_params import SamplingParams
+from stages import seeded_noise
 from stages.staging import to_device_async
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, index) pairs over the generator's seed space
@@ -91,11 +91,11 @@ def apply_filters_batch(logits: torch.Tensor, temperature: torch.Tensor, top_k: 
     return logits
 
 
-def race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """argmax over the last dim of probs / E, E ~ Exp(1): a draw from each row of probs. E is
-    kept above 0, so a filtered token (probability 0) is never chosen."""
-    e = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / e.clamp_min_(torch.finfo(e.dtype).tiny)).argmax(dim=-1)
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim of probs / E, with noise E ~ Exp(1) of probs' shape: a draw
+    from each row of probs. E is kept above 0, so a filtered token (probability 0) is never
+    chosen."""
+    return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
 class Sampler:
@@ -116,34 +116,41 @@ class Sampler:
         the caller copies them to the host when it needs them (asynchronously). logits:
         float32, or the model's dtype where needs_float32(params) is False."""
         tokens = torch.argmax(logits, dim=-1)  # greedy rows keep this
-        free = [i for i, sp in enumerate(params) if not sp.is_greedy and sp.seed is None]
-        if free:
-            index, drawn = self._sample_free(logits, [params[i] for i in free], free)
-            tokens[index] = drawn
-        for i, sp in enumerate(params):
-            if sp.is_greedy or sp.seed is None:
-                continue
-            probs = torch.softmax(apply_filters(logits[i], sp), dim=-1)
-            tokens[i] = race(probs, seeded_generator(sp.seed, output_indices[i], logits.device))
+        drawn = [i for i, sp in enumerate(params) if not sp.is_greedy]
+        if drawn:
+            index, values = self._draw(logits, params, output_indices, drawn)
+            tokens[index] = values
         return tokens
 
-    def _sample_free(self, logits: torch.Tensor, params: list[SamplingParams],
-                     rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The unseeded sampled rows, filtered and drawn as one batch: (their row indices on
-        the device, their tokens)."""
+    def _draw(self, logits: torch.Tensor, params: list[SamplingParams],
+              output_indices: list[int], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampled rows, filtered and drawn as one batch: (their row indices on the
+        device, their tokens). A seeded row's noise comes from (seed, output index) alone
+        (stages/seeded_noise.py), the others' from the sampler's generator."""
         vocab = logits.shape[-1]
-        knobs = np.array([[sp.temperature, sp.top_p, sp.min_p] for sp in params], np.float32)
+        chosen = [params[i] for i in rows]
+        knobs = np.array([[sp.temperature, sp.top_p, sp.min_p] for sp in chosen], np.float32)
         # top_k in int64, 0 where it is off (a k of vocab or more keeps every token)
-        k = np.array([sp.effective_top_k for sp in params], np.int64)
+        k = np.array([sp.effective_top_k for sp in chosen], np.int64)
         k[k >= vocab] = 0
-        ints = np.concatenate([np.asarray(rows, np.int64), k])
+        seeded = [j for j, sp in enumerate(chosen) if sp.seed is not None]
+        ints = np.concatenate([np.asarray(rows, np.int64), k, np.asarray(seeded, np.int64)])
         temperature, top_p, min_p = to_device_async(knobs.T.copy(), self.device).unbind(0)
-        index, top_k = to_device_async(ints, self.device).split(len(rows))
+        index, top_k, seeded_pos = to_device_async(ints, self.device).split(
+            [len(rows), len(rows), len(seeded)])
         filtered = apply_filters_batch(
             logits.index_select(0, index), temperature, top_k, top_p, min_p,
             max_top_k=int(k.max()), any_top_p=bool((knobs[:, 1] < 1.0).any()),
             any_min_p=bool((knobs[:, 2] > 0.0).any()))
-        return index, race(torch.softmax(filtered, dim=-1), self.unseeded)
+        probs = torch.softmax(filtered, dim=-1)
+        keys = [seeded_noise.request_key(chosen[j].seed, output_indices[rows[j]]) for j in seeded]
+        if len(seeded) == len(rows):
+            noise = seeded_noise.exponentials(keys, vocab, probs.device)
+        else:
+            noise = torch.empty_like(probs).exponential_(generator=self.unseeded)
+            if seeded:
+                noise.index_copy_(0, seeded_pos, seeded_noise.exponentials(keys, vocab, probs.device))
+        return index, race(probs, noise)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  output_indices: list[int], with_logprobs: bool = True) -> SampleResult:

@@ -384,7 +384,7 @@ def test_race_never_draws_a_zero_probability_token():
     probs = torch.zeros(4000, 50)
     probs[:, 7] = 0.25
     probs[:, 31] = 0.75
-    drawn = race(probs, torch.Generator().manual_seed(0))
+    drawn = race(probs, torch.empty_like(probs).exponential_(generator=torch.Generator().manual_seed(0)))
     assert set(drawn.tolist()) == {7, 31}
     assert abs((drawn == 31).double().mean().item() - 0.75) < 0.03
 
@@ -411,16 +411,16 @@ def test_mixed_batch_lands_each_draw_on_its_own_row(sampler):
 
 
 def test_top_k_off_rows_beside_top_k_rows_keep_every_token():
-    """Through the sampler's own host path (_sample_free): a row whose top_k is off (0, -1,
+    """Through the sampler's own host path (_draw): a row whose top_k is off (0, -1,
     >= vocab) keeps every token while another row of the batch uses top_k=2."""
     from stages.sampler import race as real_race
     import stages.sampler as sampler_mod
 
     seen = {}
 
-    def spy(probs, generator):
+    def spy(probs, noise):
         seen["probs"] = probs.clone()
-        return real_race(probs, generator)
+        return real_race(probs, noise)
 
     vocab = 16
     logits = _logits(5, vocab, seed=8, scale=0.5)
@@ -473,3 +473,43 @@ def test_token_logprobs_for_many_rows_at_once_equal_row_by_row():
         assert rank == int((row > row[t]).sum()) + 1
     assert got[5][2] == 1  # tied with the other top token: both rank 1
     assert token_logprobs(lp[:0], [], []) == []
+
+
+# ---- seeded noise (stages/seeded_noise.py) ---------------------------------------------------
+
+def test_seeded_noise_bits_equal_exact_splitmix64():
+    from stages.seeded_noise import GOLDEN, mix64, request_key, uniform_bits
+
+    keys = [request_key(s, i) for s, i in [(0, 0), (1, 0), (0, 1), (-5, 3), (2 ** 62, 7),
+                                           (-(2 ** 63), 2 ** 40)]]
+    bits = uniform_bits(keys, 3000, CPU)
+    for r, key in enumerate(keys):
+        for t in (0, 1, 2, 1499, 2999):
+            assert int(bits[r, t]) == mix64(key + t * GOLDEN) >> 40, (r, t)
+    assert bits.min() >= 0 and bits.max() < 2 ** 24
+
+
+def test_seeded_noise_is_exp1_and_keys_do_not_share_streams():
+    from stages.seeded_noise import exponentials, request_key
+
+    # neighbouring seeds and indices: key(s, i + 1) and key(s + 1, i) are unrelated streams
+    keys = [request_key(s, i) for s in range(4) for i in range(4)]
+    e = exponentials(keys, 20000, CPU).double()
+    assert e.min() > 0
+    assert abs(e.mean().item() - 1.0) < 0.01 and abs(e.var().item() - 1.0) < 0.03
+    flat = e - e.mean(dim=1, keepdim=True)
+    corr = (flat @ flat.T) / (flat.norm(dim=1)[:, None] * flat.norm(dim=1)[None, :])
+    off = corr[~torch.eye(len(keys), dtype=torch.bool)]
+    assert off.abs().max() < 0.05
+    # nor a stream shifted by a token (what seed * GOLDEN + t * GOLDEN would give)
+    shifted = torch.corrcoef(torch.stack([e[0, 1:], e[4, :-1]]))[0, 1]
+    assert abs(shifted.item()) < 0.05
+
+
+def test_seeded_noise_chunks_agree_with_one_pass(monkeypatch):
+    import stages.seeded_noise as sn
+
+    keys = [sn.request_key(7, i) for i in range(9)]
+    whole = sn.exponentials(keys, 500, CPU)
+    monkeypatch.setattr(sn, "_CHUNK_ELEMENTS", 1000)  # 2 rows a chunk
+    assert torch.equal(sn.exponentials(keys, 500, CPU), whole)
