@@ -154,13 +154,16 @@ def sampled(model_dir, pp_sizes, n_req, n_tok, rng, device="cuda"):
 
 
 def seeded_noise_matches_cpu() -> bool:
-    """A seed's noise bits on this GPU equal the CPU's (int64 wrap-around on both)."""
-    from stages.seeded_noise import request_key, uniform_bits
+    """A seed's noise bits on this GPU equal the CPU's (int64 wrap-around on both), and every
+    bit pattern gives a positive E on this GPU."""
+    from stages.seeded_noise import UNIFORM_BITS, bits_to_exponential, request_key, uniform_bits
 
     keys = [request_key(s, i) for s in (0, 1, -7, 2 ** 62) for i in (0, 1, 1000)]
     same = torch.equal(uniform_bits(keys, 151936, "cuda").cpu(), uniform_bits(keys, 151936, "cpu"))
-    print(f"seeded noise bits on the GPU equal the CPU's: {same}", flush=True)
-    return same
+    every = torch.arange(2 ** UNIFORM_BITS, dtype=torch.long, device="cuda")
+    positive = bool((bits_to_exponential(every) > 0).all())  # every pattern, on this GPU's log
+    print(f"seeded noise bits on the GPU equal the CPU's: {same}; every E > 0: {positive}", flush=True)
+    return same and positive
 
 
 def throughput(model_dir, n_req, out_len, rng, pp_sizes):

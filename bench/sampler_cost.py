@@ -35,7 +35,9 @@ SETTINGS = {
 
 
 def load_sampler(root: str):
-    """stages/sampler.py of the checkout at root, as its own module."""
+    """stages/sampler.py of the checkout at root, as its own module. Its imports of other
+    `stages` modules (seeded_noise, staging) resolve to this checkout: a baseline that has
+    them times this checkout's versions of them."""
     spec = importlib.util.spec_from_file_location(f"sampler_{abs(hash(root))}",
                                                   os.path.join(root, "stages", "sampler.py"))
     mod = importlib.util.module_from_spec(spec)

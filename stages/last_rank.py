@@ -49,14 +49,14 @@ class LastRank:
             return
         # The host needs these tokens now (drafts to verify and propose, the history that
         # penalties read, logprobs): the one place a step waits for its device on purpose
-        # (docs/invariants.md 6), for all its rows at once.
+        # (docs/invariants.md 6).
         with profiling.sync_allowed():
             out = self._sample(step_id, hidden, inputs)
-        # The last rank holds its samples at once: with PP=1 the next plan may already
-        # compute on them before the driver has seen them (placeholders).
-        self.batch.append_samples(out.req_ids, out.sampled_token_ids)
-        if self.spec_config is not None:
-            out.draft_token_ids = self._propose(out.req_ids)
+            # The last rank holds its samples at once: with PP=1 the next plan may already
+            # compute on them before the driver has seen them (placeholders).
+            self.batch.append_samples(out.req_ids, out.sampled_token_ids)
+            if self.spec_config is not None:
+                out.draft_token_ids = self._propose(out.req_ids)
         step.sampler_output = out
 
     def _can_defer(self, params: list[SamplingParams]) -> bool:

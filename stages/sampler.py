@@ -91,11 +91,17 @@ def apply_filters_batch(logits: torch.Tensor, temperature: torch.Tensor, top_k: 
     return logits
 
 
+# The smallest E the race uses: torch's CUDA exponential_ floors -log(u) at 2^-24 (its u
+# near 1 is rounded), and seeded_noise's smallest E is about that. An E of 0 would make any
+# token with a probability above ~1e-31 win; one of 2^-24 gives it its true tail chance.
+MIN_NOISE = 2.0 ** -24
+
+
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dim of probs / E, with noise E ~ Exp(1) of probs' shape: a draw
-    from each row of probs. E is kept above 0, so a filtered token (probability 0) is never
-    chosen."""
-    return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+    """argmax over the last dim of probs / E, with noise E ~ Exp(1) of probs' shape (clamped
+    in place to MIN_NOISE): a draw from each row of probs. A filtered token (probability 0)
+    is never chosen."""
+    return (probs / noise.clamp_min_(MIN_NOISE)).argmax(dim=-1)
 
 
 class Sampler:

@@ -5,8 +5,9 @@ it needs no per-request generator and every seeded row of a step is drawn in one
 The numbers are SplitMix64's: a request's key = mix(seed * GOLDEN + i) (on the host, exact
 64-bit arithmetic; the mix keeps the keys of neighbouring seeds and indices apart), and the
 token t's 64 bits = mix(key + t * GOLDEN), the t-th output of a SplitMix64 stream seeded
-with the key. The top 24 bits make a uniform u in (0, 1) (exact in float32), and
-E = -log(u). On the device the arithmetic is int64 with wrap-around (what two's-complement
+with the key. The top 23 bits make a uniform u = (bits + 0.5) / 2^23 in [2^-24, 1 - 2^-24]
+(exact in float32: with 24 bits, bits + 0.5 rounds and the top pattern gives u = 1, E = 0, a
+token that wins any race), and E = -log(u) >= ~2^-24, the floor of torch's CUDA exponential_. On the device the arithmetic is int64 with wrap-around (what two's-complement
 multiplication gives); a test holds the device's bits to Python's exact integers.
 """
 from __future__ import annotations
@@ -19,8 +20,8 @@ from stages.staging import to_device_async
 GOLDEN = 0x9E3779B97F4A7C15
 _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _U64 = (1 << 64) - 1
-UNIFORM_BITS = 24
-# Rows per chunk: the int64 work buffers of a chunk stay near 2 x 32 MiB at any vocabulary.
+UNIFORM_BITS = 23
+# Rows per chunk: the int64 work buffers of a chunk stay near 3 x 32 MiB at any vocabulary.
 _CHUNK_ELEMENTS = 1 << 22
 
 
@@ -56,24 +57,25 @@ def _mix64_(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_bits(keys: list[int], vocab: int, device) -> torch.Tensor:
-    """[len(keys), vocab] int64 in [0, 2^24): token t's bits for each key (request_key)."""
+    """[len(keys), vocab] int64 in [0, 2^23): token t's bits for each key (request_key)."""
     out = torch.empty((len(keys), vocab), dtype=torch.long, device=device)
     _fill(out, keys, vocab, device, lambda z, dst: dst.copy_(_lshr(z, 64 - UNIFORM_BITS)))
     return out
 
 
 def exponentials(keys: list[int], vocab: int, device) -> torch.Tensor:
-    """[len(keys), vocab] float32 Exp(1) noise, E = -log(u), u = (bits + 0.5) / 2^24: the
-    exponential race's E for each seeded row, > 0 everywhere."""
+    """[len(keys), vocab] float32 Exp(1) noise, the exponential race's E for each seeded row:
+    bits_to_exponential of uniform_bits, computed in chunks."""
     out = torch.empty((len(keys), vocab), dtype=torch.float32, device=device)
-    scale = 2.0 ** -UNIFORM_BITS
-
-    def finish(z: torch.Tensor, dst: torch.Tensor) -> None:
-        u = _lshr(z, 64 - UNIFORM_BITS).to(torch.float32).add_(0.5).mul_(scale)
-        dst.copy_(u.log_().neg_())
-
-    _fill(out, keys, vocab, device, finish)
+    _fill(out, keys, vocab, device,
+          lambda z, dst: dst.copy_(bits_to_exponential(_lshr(z, 64 - UNIFORM_BITS))))
     return out
+
+
+def bits_to_exponential(bits: torch.Tensor) -> torch.Tensor:
+    """int64 bits in [0, 2^23) -> float32 E = -log((bits + 0.5) / 2^23), > 0 for every bits."""
+    u = bits.to(torch.float32).add_(0.5).mul_(2.0 ** -UNIFORM_BITS)
+    return u.log_().neg_()
 
 
 def _fill(out: torch.Tensor, keys: list[int], vocab: int, device, finish) -> None:

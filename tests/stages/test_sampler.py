@@ -485,8 +485,8 @@ def test_seeded_noise_bits_equal_exact_splitmix64():
     bits = uniform_bits(keys, 3000, CPU)
     for r, key in enumerate(keys):
         for t in (0, 1, 2, 1499, 2999):
-            assert int(bits[r, t]) == mix64(key + t * GOLDEN) >> 40, (r, t)
-    assert bits.min() >= 0 and bits.max() < 2 ** 24
+            assert int(bits[r, t]) == mix64(key + t * GOLDEN) >> 41, (r, t)
+    assert bits.min() >= 0 and bits.max() < 2 ** 23
 
 
 def test_seeded_noise_is_exp1_and_keys_do_not_share_streams():
@@ -513,3 +513,65 @@ def test_seeded_noise_chunks_agree_with_one_pass(monkeypatch):
     whole = sn.exponentials(keys, 500, CPU)
     monkeypatch.setattr(sn, "_CHUNK_ELEMENTS", 1000)  # 2 rows a chunk
     assert torch.equal(sn.exponentials(keys, 500, CPU), whole)
+
+
+def test_every_noise_bit_pattern_gives_a_positive_finite_exponential():
+    """All 2^23 patterns: u never rounds to 1 (E = 0 would let any token win the race)."""
+    from stages.seeded_noise import UNIFORM_BITS, bits_to_exponential
+
+    e = bits_to_exponential(torch.arange(2 ** UNIFORM_BITS, dtype=torch.long))
+    assert e.min() > 0 and torch.isfinite(e).all()
+    assert e.min() > 2.0 ** -25 and e.max() < 17  # E of u = 1 - 2^-24 and of u = 2^-24
+    assert torch.unique(e).numel() > 0.99 * 2 ** UNIFORM_BITS  # no merged patterns to speak of
+
+
+def test_seeded_draws_never_pick_a_near_impossible_token():
+    """A peaked row over a large vocabulary: the other tokens (p ~ 1e-13 each) never win,
+    over many output indices (the 24-bit noise gave one of them u = 1 about once in 110)."""
+    logits = torch.full((1, 151936), -20.0)
+    logits[0, 42] = 10.0
+    s = Sampler(CPU)
+    params = [SamplingParams(temperature=1.0, seed=9)] * 64
+    for start in range(0, 512, 64):
+        toks = s.sample(logits.expand(64, -1), params, list(range(start, start + 64)))
+        assert set(toks.tolist()) == {42}
+
+
+def test_race_floors_zero_noise_at_float32_resolution():
+    from stages.sampler import MIN_NOISE, race
+
+    probs = torch.full((3, 1000), 1e-13)
+    probs[:, 5] = 1.0 - 999e-13
+    noise = torch.ones(3, 1000)
+    noise[:, 700] = 0.0  # a u rounded to 1
+    assert race(probs, noise).tolist() == [5, 5, 5]
+    assert noise.min() == MIN_NOISE
+
+
+def test_attach_logprobs_regroups_entries_per_request():
+    """LastRank._attach_logprobs: requests without logprobs, with 0, with n, and a request
+    that emits fewer tokens than it has rows (rejected drafts), against row-by-row values."""
+    from ray_runtime.messages import SamplerOutput
+    from stages.last_rank import LastRank
+
+    vocab = 40
+    rows = [_logits(3, vocab, seed=20), _logits(1, vocab, seed=21), _logits(3, vocab, seed=22),
+            _logits(2, vocab, seed=23)]
+    params = [SamplingParams(logprobs=2), SamplingParams(), SamplingParams(logprobs=0),
+              SamplingParams(logprobs=4)]
+    emitted = [[3, 7, 1], [9], [4, 4], [11]]  # request 2: 2 of 3 rows, request 3: 1 of 2
+    out = SamplerOutput(step_id=1, req_ids=["a", "b", "c", "d"], incarnations=[0] * 4,
+                        sampled_token_ids=emitted)
+    LastRank._attach_logprobs(out, rows, params)
+    for lg, toks, sp, ids, vals, ranks in zip(rows, emitted, params, out.logprob_token_ids,
+                                              out.logprobs, out.num_logprob_ranks):
+        if sp.logprobs is None:
+            assert ids == vals == ranks == []
+            continue
+        assert len(ids) == len(vals) == len(ranks) == len(toks)
+        lp = torch.log_softmax(lg, dim=-1)
+        for j, t in enumerate(toks):
+            top = torch.topk(lp[j], sp.logprobs) if sp.logprobs else None
+            assert ids[j] == [t] + (top.indices.tolist() if top is not None else [])
+            assert vals[j] == pytest.approx([float(lp[j, t])] + (top.values.tolist() if top is not None else []))
+            assert ranks[j] == int((lp[j] > lp[j, t]).sum()) + 1
