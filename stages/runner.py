@@ -16,6 +16,7 @@ import torch
 
 from ray_runtime.config import EngineConfig
 from ray_runtime.messages import SamplerOutput, StageStepResult, StageTiming, StepPlan
+from ray_runtime.sampling_params import SamplingParams
 from stages.cuda_graphs import DecodeGraphs
 from stages.device_state import DeviceBlockTable
 from stages.input_batch import InputBatch
@@ -106,9 +107,14 @@ class StageRunner:
         x = torch.zeros(n, dtype=torch.long, device=self.device) if self.is_first else \
             torch.zeros(n, self.spec.hidden_size, dtype=self.dtype, device=self.device)
         hidden = self.model(x, meta, caches)
-        if self.is_last:  # logits of every row that may sample, drafts included
+        if self.is_last:  # logits of every row that may sample, drafts included, and the
+            # sampler's own buffers on them (its costliest setting: top-k, top-p, min-p, seeds)
             rows = min(n, cfg.max_num_seqs * (1 + cfg.num_speculative_tokens))
-            self.model.compute_logits(hidden[:rows])
+            logits = self.model.compute_logits(hidden[:rows])
+            worst = [SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05,
+                                    seed=i if i % 2 else None) for i in range(rows)]
+            self.last.sampler.sample(logits, worst, [0] * rows)
+            del logits
         torch.cuda.synchronize()
         activations = torch.cuda.max_memory_allocated() - before
         del caches, hidden, x
