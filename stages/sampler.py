@@ -19,7 +19,6 @@ from ray_runtime.sampling_params import SamplingParams
 from stages import seeded_noise
 from stages.staging import to_device_async
 
-_SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, index) pairs over the generator's seed space
 
 
 @dataclass
@@ -34,7 +33,7 @@ class SampleResult:
 
 
 def seeded_generator(seed: int, output_index: int, device: torch.device) -> torch.Generator:
-    mixed = (seed * _SEED_MIX + output_index) % (2 ** 63)
+    mixed = (seed * seeded_noise.GOLDEN + output_index) % (2 ** 63)  # spreads (seed, index)
     gen = torch.Generator(device=device)
     gen.manual_seed(mixed)
     return gen
@@ -193,7 +192,7 @@ def token_logprobs(logprobs: torch.Tensor, tokens: list[int],
     not once per row."""
     if not tokens:
         return []
-    index = torch.tensor(tokens, dtype=torch.long).to(logprobs.device, non_blocking=True)
+    index = to_device_async(np.asarray(tokens, np.int64), logprobs.device)
     chosen = logprobs.gather(1, index[:, None])
     ranks = (logprobs > chosen).sum(dim=-1) + 1
     width = max(nums)

@@ -7,7 +7,8 @@ The numbers are SplitMix64's: a request's key = mix(seed * GOLDEN + i) (on the h
 token t's 64 bits = mix(key + t * GOLDEN), the t-th output of a SplitMix64 stream seeded
 with the key. The top 23 bits make a uniform u = (bits + 0.5) / 2^23 in [2^-24, 1 - 2^-24]
 (exact in float32: with 24 bits, bits + 0.5 rounds and the top pattern gives u = 1, E = 0, a
-token that wins any race), and E = -log(u) >= ~2^-24, the floor of torch's CUDA exponential_. On the device the arithmetic is int64 with wrap-around (what two's-complement
+token that wins any race), and E = -log(u) >= ~2^-24, the floor of torch's CUDA
+exponential_. On the device the arithmetic is int64 with wrap-around (what two's-complement
 multiplication gives); a test holds the device's bits to Python's exact integers.
 """
 from __future__ import annotations
