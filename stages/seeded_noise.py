@@ -59,18 +59,13 @@ def _mix64_(x: torch.Tensor) -> torch.Tensor:
 
 def uniform_bits(keys: list[int], vocab: int, device) -> torch.Tensor:
     """[len(keys), vocab] int64 in [0, 2^23): token t's bits for each key (request_key)."""
-    out = torch.empty((len(keys), vocab), dtype=torch.long, device=device)
-    _fill(out, keys, vocab, device, lambda z, dst: dst.copy_(_lshr(z, 64 - UNIFORM_BITS)))
-    return out
+    return _fill(torch.long, keys, vocab, device, lambda bits: bits)
 
 
 def exponentials(keys: list[int], vocab: int, device) -> torch.Tensor:
     """[len(keys), vocab] float32 Exp(1) noise, the exponential race's E for each seeded row:
     bits_to_exponential of uniform_bits, computed in chunks."""
-    out = torch.empty((len(keys), vocab), dtype=torch.float32, device=device)
-    _fill(out, keys, vocab, device,
-          lambda z, dst: dst.copy_(bits_to_exponential(_lshr(z, 64 - UNIFORM_BITS))))
-    return out
+    return _fill(torch.float32, keys, vocab, device, bits_to_exponential)
 
 
 def bits_to_exponential(bits: torch.Tensor) -> torch.Tensor:
@@ -79,10 +74,14 @@ def bits_to_exponential(bits: torch.Tensor) -> torch.Tensor:
     return u.log_().neg_()
 
 
-def _fill(out: torch.Tensor, keys: list[int], vocab: int, device, finish) -> None:
+def _fill(dtype: torch.dtype, keys: list[int], vocab: int, device, convert) -> torch.Tensor:
+    """[len(keys), vocab] of `dtype`: convert(the top UNIFORM_BITS of each token's 64 bits),
+    a chunk of rows at a time."""
+    out = torch.empty((len(keys), vocab), dtype=dtype, device=device)
     rows = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
     key_t = to_device_async(np.asarray(keys, np.int64), device)
     steps = torch.arange(vocab, dtype=torch.long, device=device) * _signed(GOLDEN)
     for start in range(0, len(keys), rows):
         z = key_t[start:start + rows, None] + steps[None, :]
-        finish(_mix64_(z), out[start:start + rows])
+        out[start:start + rows] = convert(_lshr(_mix64_(z), 64 - UNIFORM_BITS))
+    return out
