@@ -9,10 +9,16 @@ many coroutines at once, and their outputs stream back as tokens are committed.
 One task per AsyncLLM long-polls the driver's outputs and hands each request's RequestOutputs
 to the queue of the coroutine iterating it. A consumer that stops iterating (a client that
 disconnects) aborts its request. Not thread-safe: use an AsyncLLM from one event loop.
+
+Hosted in an async Ray actor (a Ray Serve replica), a request runs inside one actor task, and
+Ray cancels an actor task recursively: every Ray call submitted in its context (a contextvar)
+goes with it. The shared output poll and each request's add and abort are therefore submitted
+from a fresh context (`_detached`), so a client hanging up cancels its own request only.
 """
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import uuid
 from typing import AsyncIterator, Optional
@@ -24,6 +30,12 @@ from ray_runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.5  # how long one poll of the engine's outputs may wait
+
+
+def _detached(fn, *args):
+    """fn(*args) outside the calling task's context: a Ray call made here is no child of the
+    actor task running now, and is not cancelled when that task is."""
+    return contextvars.Context().run(fn, *args)
 
 
 class AsyncLLM(EngineClient):
@@ -60,7 +72,7 @@ class AsyncLLM(EngineClient):
         add_ref = None
         try:
             self._ensure_handler()
-            add_ref = self._driver.add_requests.remote(specs)
+            add_ref = _detached(self._driver.add_requests.remote, specs)
             await add_ref
             while not finished:
                 out = await queue.get()
@@ -74,7 +86,7 @@ class AsyncLLM(EngineClient):
                 if ids and self._dead is None and add_ref is not None:
                     # Sent at once, without the event loop (which may be closing): an abort
                     # that overtakes its add is applied when the add lands (engine_loop.py).
-                    self._driver.abort.remote(ids)
+                    _detached(self._driver.abort.remote, ids)
 
     async def abort(self, request_id: str) -> None:
         """Stop a request: its stream ends with finish_reason "abort", its KV blocks and rank
@@ -97,7 +109,8 @@ class AsyncLLM(EngineClient):
 
     def _ensure_handler(self) -> None:
         if self._handler is None or self._handler.done():
-            self._handler = asyncio.get_running_loop().create_task(self._output_handler())
+            self._handler = asyncio.get_running_loop().create_task(
+                self._output_handler(), context=contextvars.Context())
 
     async def _output_handler(self) -> None:
         """Poll the engine's outputs and hand them to the waiting generators."""

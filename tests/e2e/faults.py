@@ -95,3 +95,16 @@ class StallAtStep:
             import time
 
             time.sleep(self.seconds)
+
+
+class SlowSteps:
+    """The stage sleeps `seconds` after every plan: a request lasts long enough for a test to
+    act on it mid-run (a client hang-up) however fast the machine steps."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __call__(self, batch: InputBatch, plan) -> None:
+        import time
+
+        time.sleep(self.seconds)

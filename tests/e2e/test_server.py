@@ -215,8 +215,34 @@ def test_openai_client_raises_bad_request_error(server):
         server.client.completions.create(model=NAME, prompt="hi", top_p=7.0)
 
 
+def _driver():
+    """The server's engine driver, found by its actor name (ray_runtime/cluster.py)."""
+    import ray
+
+    found = [a for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith("ray_pp-") and a["name"].endswith("-driver")]
+    assert len(found) == 1, f"expected the server's driver alone, found {found}"
+    return ray.get_actor(found[0]["name"], namespace=found[0]["namespace"])
+
+
+@pytest.fixture
+def slow_steps(server):
+    """Every step of rank 1 takes >= 20 ms while the test runs, so a 500-token request lasts
+    >= 10 s: a hang-up is seen long before it could finish, on a machine of any speed."""
+    import ray
+
+    from tests.e2e.faults import SlowSteps
+
+    driver = _driver()
+    ray.get(driver.set_fault_hook.remote(1, SlowSteps(0.02)))
+    try:
+        yield
+    finally:
+        ray.get(driver.set_fault_hook.remote(1, None))
+
+
 @pytest.mark.parametrize("stream", [True, False])
-def test_client_disconnect_aborts_the_request(server, stream):
+def test_client_disconnect_aborts_the_request(server, slow_steps, stream):
     before = _stats(server)
     max_tokens = MAX_MODEL_LEN - 10
     host, port = server.url.split("//")[1].split(":")
