@@ -32,10 +32,12 @@ class EchoRunner:
         return True
 
     def finish(self, plan):
-        from ray_runtime.messages import RowDigest, StageStepResult, StageTiming
+        from ray_runtime.messages import RowDigests, StageStepResult, StageTiming
 
         now = time.time()
-        digests = [RowDigest(r, 1, 300, 300, 299, 12345678901234, 0) for r in plan.scheduled_req_ids]
+        n = len(plan.scheduled_req_ids)
+        digests = RowDigests(list(plan.scheduled_req_ids), [1] * n, [300] * n, [300] * n,
+                             [299] * n, [12345678901234] * n, [0] * n, [0] * n)
         return StageStepResult(plan.step_id, 0, StageTiming(now, now, now, now, 0.0), digests)
 
 
@@ -56,10 +58,11 @@ class EchoStage:
 
 
 def plan_bytes(num_reqs: int, step: int) -> bytes:
-    from ray_runtime.messages import CachedRequestData, StepPlan, encode
+    from ray_runtime.messages import CachedRequest, CachedRequestData, StepPlan, encode
 
-    cached = [CachedRequestData(f"req-{i}", 300, [1234], [], 299) for i in range(num_reqs)]
-    return encode(StepPlan(step, [], [], cached, [c.req_id for c in cached], [1] * num_reqs))
+    cached = CachedRequestData.of([CachedRequest(f"req-{i}", 300, [1234], [], 299)
+                                   for i in range(num_reqs)])
+    return encode(StepPlan(step, [], [], cached, list(cached.req_ids), [1] * num_reqs))
 
 
 def main() -> None:

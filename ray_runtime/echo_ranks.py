@@ -21,7 +21,7 @@ import time
 from collections import deque
 from typing import Optional
 
-from ray_runtime.messages import (RowDigest, SamplerOutput, StageStepResult, StageTiming,
+from ray_runtime.messages import (RowDigests, SamplerOutput, StageStepResult, StageTiming,
                                   StepPlan, decode_plan, decode_result, encode)
 from ray_runtime.request import hash_extend, prefix_hash
 
@@ -86,18 +86,23 @@ class EchoRanks:
                     f"{p.step_id}): run it without speculative_config")
             if c.new_token_ids:
                 rows[c.req_id].write(c.token_start, c.new_token_ids)
-        digests: list[RowDigest] = []
+        d_inc, d_known, d_computed, d_hash = [], [], [], []
         sampled: list[str] = []
         incarnations: list[int] = []
         for req_id, n in zip(p.scheduled_req_ids, p.num_scheduled_tokens):
             row = rows[req_id]
             known = len(row.tokens)
-            digests.append(RowDigest(req_id, row.incarnation, known, known, row.computed,
-                                     row.hash, 0, 0))
+            d_inc.append(row.incarnation)
+            d_known.append(known)
+            d_computed.append(row.computed)
+            d_hash.append(row.hash)
             row.computed += n
             if row.computed >= known:  # reached the end of its known prefix: samples
                 sampled.append(req_id)
                 incarnations.append(row.incarnation)
+        zeros = [0] * len(d_inc)
+        digests = RowDigests(list(p.scheduled_req_ids), d_inc, d_known, list(d_known), d_computed,
+                             d_hash, zeros, list(zeros))
         now = time.time()
         timing = StageTiming(now, now, now, now, 0.0)
         last = self.num_ranks - 1

@@ -260,10 +260,9 @@ class EngineCore:
             self.trace.stage_step(res.rank, res.step_id, res.timing)
             self.digest_s[res.rank] += res.timing.digest_s
             self.gpu_busy_s[res.rank] += res.timing.gpu_busy_s
-            digests = res.digests
-            if record.self_drafted:  # uncorrected self-drafted steps are not audited
-                digests = [d for d in digests if d.req_id not in record.self_drafted]
-            for m in audit(record.expected, digests, res.rank, res.rank in ahead):
+            # uncorrected self-drafted steps are not audited
+            for m in audit(record.expected, res.digests, res.rank, res.rank in ahead,
+                           record.self_drafted):
                 self.num_mismatches += 1
                 self.mismatches_by_rank[res.rank] += 1
                 logger.warning("%s (step %d)", m, record.plan.step_id)

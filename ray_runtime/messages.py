@@ -3,9 +3,14 @@
 The driver encodes each StepPlan once (msgpack) and puts the bytes in the object store; every
 stage decodes the same bytes: that is the broadcast of new_token_ids. Nothing here carries a
 row index: rows are rank-local, so requests are named by id and incarnation only.
+
+Every struct is plain data (no struct refers back to its holder), so none is tracked by the
+cyclic garbage collector (gc=False): a step builds and decodes hundreds of them per rank, and
+tracked ones cost twice the time and trigger the collector's passes mid-step.
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Optional
 
 import msgspec
@@ -13,7 +18,7 @@ import msgspec
 from ray_runtime.sampling_params import SamplingParams
 
 
-class NewRequestData(msgspec.Struct, array_like=True):
+class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     """A request entering the ranks' batches: first scheduling, or resumption after preemption."""
 
     req_id: str
@@ -25,8 +30,9 @@ class NewRequestData(msgspec.Struct, array_like=True):
     sampling: SamplingParams
 
 
-class CachedRequestData(msgspec.Struct, array_like=True):
-    """A request already in the ranks' batches: only what changed since the last plan naming it."""
+class CachedRequest(msgspec.Struct, frozen=True, gc=False):
+    """One entry of a CachedRequestData, as a record: what update() of one row takes, and
+    what tests build plans from. Not sent as such: plans carry the columns."""
 
     req_id: str
     token_start: int  # position of new_token_ids[0] in the request's token sequence
@@ -43,12 +49,98 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     self_drafted: bool = False
 
 
-class StepPlan(msgspec.Struct, array_like=True):
+class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
+    """The requests already in the ranks' batches, only what changed since the last plan
+    naming each, as columns (vLLM's CachedRequestData shape): entry i of every per-request
+    list belongs to req_ids[i]. Tokens, blocks and drafts are flattened: request i's are the
+    next num_new_tokens[i] (num_new_blocks[i], num_drafts[i]) entries of the flat list.
+
+    Columns, not a struct per request: a rank decodes them into a few lists and reads them
+    as arrays, with no Python work per request on the common path (a decode step's one
+    token). Entry i as a record: cached[i]; all of them: iter(cached)."""
+
+    req_ids: list[str] = []
+    token_starts: list[int] = []
+    num_new_tokens: list[int] = []
+    new_token_ids: list[int] = []
+    num_computed_tokens: list[int] = []
+    num_new_blocks: list[int] = []
+    new_block_ids: list[int] = []
+    block_starts: list[int] = []  # -1: append after the row's blocks
+    num_drafts: list[int] = []
+    draft_token_ids: list[int] = []
+    self_drafted: list[bool] = []
+
+    @classmethod
+    def of(cls, entries) -> "CachedRequestData":
+        out = cls([], [], [], [], [], [], [], [], [], [], [])
+        for e in entries:
+            out.append(e.req_id, e.token_start, e.new_token_ids, e.new_block_ids,
+                       e.num_computed_tokens, e.block_start, e.draft_token_ids, e.self_drafted)
+        return out
+
+    def append(self, req_id: str, token_start: int, new_token_ids: list[int],
+               new_block_ids: list[int], num_computed_tokens: int, block_start: Optional[int],
+               draft_token_ids: list[int], self_drafted: bool) -> None:
+        """One more request (the scheduler's builder: each column grows by its entry)."""
+        self.req_ids.append(req_id)
+        self.token_starts.append(token_start)
+        self.num_new_tokens.append(len(new_token_ids))
+        self.new_token_ids.extend(new_token_ids)
+        self.num_computed_tokens.append(num_computed_tokens)
+        self.num_new_blocks.append(len(new_block_ids))
+        self.new_block_ids.extend(new_block_ids)
+        self.block_starts.append(-1 if block_start is None else block_start)
+        self.num_drafts.append(len(draft_token_ids))
+        self.draft_token_ids.extend(draft_token_ids)
+        self.self_drafted.append(self_drafted)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def __iter__(self):
+        return iter(self.records())
+
+    def __getitem__(self, i: int) -> CachedRequest:
+        return self.records([i])[0]
+
+    def records(self, which=None) -> list[CachedRequest]:
+        """Entries `which` (indices, ascending; all by default) as records."""
+        tok = list(accumulate(self.num_new_tokens, initial=0))
+        blk = list(accumulate(self.num_new_blocks, initial=0))
+        dra = list(accumulate(self.num_drafts, initial=0))
+        out = []
+        for i in (range(len(self.req_ids)) if which is None else which):
+            start = self.block_starts[i]
+            out.append(CachedRequest(
+                self.req_ids[i], self.token_starts[i], self.new_token_ids[tok[i]:tok[i + 1]],
+                self.new_block_ids[blk[i]:blk[i + 1]], self.num_computed_tokens[i],
+                None if start < 0 else start, self.draft_token_ids[dra[i]:dra[i + 1]],
+                self.self_drafted[i]))
+        return out
+
+    def check(self) -> None:
+        """Every column has one entry per request, and each flat list the sum of its counts."""
+        n = len(self.req_ids)
+        for name in ("token_starts", "num_new_tokens", "num_computed_tokens", "num_new_blocks",
+                     "block_starts", "num_drafts", "self_drafted"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"CachedRequestData.{name}: {len(getattr(self, name))} "
+                                 f"entries for {n} requests")
+        for flat, counts in (("new_token_ids", "num_new_tokens"), ("new_block_ids", "num_new_blocks"),
+                             ("draft_token_ids", "num_drafts")):
+            if len(getattr(self, flat)) != sum(getattr(self, counts)):
+                raise ValueError(f"CachedRequestData.{flat}: {len(getattr(self, flat))} "
+                                 f"entries, {counts} sums to {sum(getattr(self, counts))}")
+
+
+class StepPlan(msgspec.Struct, array_like=True, gc=False):
     step_id: int
     removed_req_ids: list[str]  # finished, aborted or preempted since the previous plan
     new_reqs: list[NewRequestData]
-    cached_reqs: list[CachedRequestData]
-    # The order in which this step's tokens are laid out, and how many each request runs.
+    cached_reqs: CachedRequestData
+    # The order in which this step's tokens are laid out, and how many each request runs:
+    # the cached requests in their order, then the new ones in theirs (`check`).
     scheduled_req_ids: list[str]
     num_scheduled_tokens: list[int]
 
@@ -56,8 +148,20 @@ class StepPlan(msgspec.Struct, array_like=True):
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens)
 
+    def check(self) -> None:
+        """The layout order is the cached requests', then the new ones' (a rank reads each
+        request's entry by its place in the step, without a lookup by id)."""
+        self.cached_reqs.check()
+        order = self.cached_reqs.req_ids + [n.req_id for n in self.new_reqs]
+        if self.scheduled_req_ids != order:
+            raise ValueError(f"step {self.step_id}: scheduled_req_ids {self.scheduled_req_ids} "
+                             f"are not the cached requests then the new ones {order}")
+        if len(self.num_scheduled_tokens) != len(order):
+            raise ValueError(f"step {self.step_id}: {len(self.num_scheduled_tokens)} "
+                             f"num_scheduled_tokens for {len(order)} requests")
 
-class SamplerOutput(msgspec.Struct, array_like=True):
+
+class SamplerOutput(msgspec.Struct, array_like=True, gc=False):
     """The last rank's result for one step: one entry per request that reached the end of its
     known prefix (a request in the middle of a chunked prefill samples nothing)."""
 
@@ -76,9 +180,10 @@ class SamplerOutput(msgspec.Struct, array_like=True):
     draft_token_ids: Optional[list[list[int]]] = None
 
 
-class RowDigest(msgspec.Struct, array_like=True):
+class RowDigest(msgspec.Struct, frozen=True, gc=False):
     """One rank's bookkeeping for one request, right after it applied a plan, over the
-    prefix the driver has told it about (see ray_runtime/digest.py)."""
+    prefix the driver has told it about (see ray_runtime/digest.py): one entry of a
+    RowDigests, as a record."""
 
     req_id: str
     incarnation: int
@@ -90,7 +195,41 @@ class RowDigest(msgspec.Struct, array_like=True):
     num_draft_tokens: int = 0  # drafts the row holds after the known prefix
 
 
-class StageTiming(msgspec.Struct, array_like=True):
+class RowDigests(msgspec.Struct, array_like=True, gc=False):
+    """One rank's digests of the requests a step ran, as columns: entry i of every list is
+    req_ids[i]'s (the fields of RowDigest). Entry i as a record: digests[i]."""
+
+    req_ids: list[str] = []
+    incarnation: list[int] = []
+    num_tokens_known: list[int] = []
+    hash_length: list[int] = []
+    num_computed_tokens: list[int] = []
+    token_hash: list[int] = []
+    num_conflicts: list[int] = []
+    num_draft_tokens: list[int] = []
+
+    @classmethod
+    def of(cls, records) -> "RowDigests":
+        cols = list(zip(*(msgspec.structs.astuple(r) for r in records)))
+        return cls(*(list(c) for c in cols)) if cols else cls()
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def __iter__(self):
+        return iter(self.records())
+
+    def __getitem__(self, i: int) -> RowDigest:
+        return self.records([i])[0]
+
+    def records(self, which=None) -> list[RowDigest]:
+        """Entries `which` (indices; all by default) as records."""
+        cols = msgspec.structs.astuple(self)
+        idx = range(len(self.req_ids)) if which is None else which
+        return [RowDigest(*(c[i] for c in cols)) for i in idx]
+
+
+class StageTiming(msgspec.Struct, array_like=True, gc=False):
     """Wall-clock marks (time.time(), seconds) of one step on one stage, for the trace."""
 
     start: float  # the stage picked the plan up
@@ -105,14 +244,14 @@ class StageTiming(msgspec.Struct, array_like=True):
     token_wait_s: float = 0.0
 
 
-class StageStepResult(msgspec.Struct, array_like=True):
+class StageStepResult(msgspec.Struct, array_like=True, gc=False):
     """What every stage returns for a step: timings and digests on every rank, the sampler
     output on the last rank."""
 
     step_id: int
     rank: int
     timing: StageTiming
-    digests: list[RowDigest]
+    digests: RowDigests
     sampler_output: Optional[SamplerOutput] = None
 
 
@@ -133,7 +272,7 @@ def decode_result(data: bytes) -> StageStepResult:
     return _result_decoder.decode(data)
 
 
-class RequestSpec(msgspec.Struct, array_like=True):
+class RequestSpec(msgspec.Struct, array_like=True, gc=False):
     """A validated request, from the API to the driver."""
 
     req_id: str

@@ -8,8 +8,11 @@ rank must know exactly as many.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Collection
 
-from ray_runtime.messages import RowDigest
+import msgspec
+
+from ray_runtime.messages import RowDigest, RowDigests
 from ray_runtime.scheduler import Expectation
 
 
@@ -30,23 +33,27 @@ class Mismatch:
                 f"{self.field} expected {self.expected}, rank has {self.got}")
 
 
-def audit(expected: dict[str, Expectation], digests: list[RowDigest], rank: int,
-          ahead: bool) -> list[Mismatch]:
+def audit(expected: dict[str, Expectation], digests: RowDigests, rank: int, ahead: bool,
+          skip: Collection[str] = ()) -> list[Mismatch]:
+    """Each digest against the driver's expectation of its request (requests in `skip`
+    are not audited)."""
     found: list[Mismatch] = []
     get = expected.get
-    for d in digests:
-        exp = get(d.req_id)
+    for i, (req_id, incarnation, own_known, hash_length, computed, token_hash, conflicts,
+            drafts) in enumerate(zip(*msgspec.structs.astuple(digests))):
+        exp = get(req_id)
         if exp is not None:
             known = exp.num_tokens_known
             # The common case, every field as expected, in one expression; anything else
             # takes the field-by-field path below to name the first field that differs.
-            if (d.token_hash == exp.token_hash and d.incarnation == exp.incarnation
-                    and d.hash_length == known
-                    and d.num_computed_tokens == exp.num_computed_tokens
-                    and d.num_draft_tokens == exp.num_draft_tokens and d.num_conflicts == 0
-                    and (d.num_tokens_known >= known if ahead else d.num_tokens_known == known)):
+            if (token_hash == exp.token_hash and incarnation == exp.incarnation
+                    and hash_length == known and computed == exp.num_computed_tokens
+                    and drafts == exp.num_draft_tokens and conflicts == 0
+                    and (own_known >= known if ahead else own_known == known)):
                 continue
-        found.extend(_findings(exp, d, rank, ahead))
+        if skip and req_id in skip:
+            continue
+        found.extend(_findings(exp, digests[i], rank, ahead))
     return found
 
 

@@ -220,7 +220,7 @@ class Scheduler:
         block_size = blocks.block_size
         owned_of = blocks.owned_of
         new_reqs: list[NewRequestData] = []
-        cached: list[CachedRequestData] = []
+        cached = CachedRequestData()
         cached_append = cached.append
         # Per scheduled request, in plan order: the audit's view (its keys are the plan's
         # order), the request and its tokens this step; the requests that will sample.
@@ -291,9 +291,8 @@ class Scheduler:
                     got = blocks.reserve(req_id, target)
                 block_start, new_blocks = got
             sent = req.num_tokens_sent
-            cached_append(CachedRequestData(
-                req_id, sent, token_ids[sent:] if sent < num_tokens else _EMPTY, new_blocks,
-                computed, block_start, drafts, self_drafted))
+            cached_append(req_id, sent, token_ids[sent:] if sent < num_tokens else _EMPTY,
+                          new_blocks, computed, block_start, drafts, self_drafted)
             req.num_tokens_sent = num_tokens
             if drafts:
                 expected[req_id] = Expectation(

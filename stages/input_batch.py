@@ -21,12 +21,14 @@ Requests are addressed by id; slot indices never leave this rank.
 from __future__ import annotations
 
 import heapq
+from operator import itemgetter
 from typing import Optional
 
 import numpy as np
 
 from ray_runtime.digest import rows_hash, spans_hash_delta
-from ray_runtime.messages import CachedRequestData, NewRequestData, RowDigest, StepPlan
+from ray_runtime.messages import (CachedRequest, CachedRequestData, NewRequestData, RowDigests,
+                                  StepPlan)
 from ray_runtime.sampling_params import SamplingParams
 from stages.plan_view import PlanView, plan_view
 
@@ -92,42 +94,51 @@ class InputBatch:
     # ---- the whole-step entry point ------------------------------------------------------
     def apply_plan(self, plan: StepPlan) -> None:
         """Removals, admissions, then deltas: one operation, no follow-up owed."""
+        plan.check()  # the layout order plan_view reads entries by (a few list compares)
         for req_id in plan.removed_req_ids:
             self.remove(req_id)
         for new in plan.new_reqs:
             self.add(new)
         self.update_many(plan.cached_reqs)
 
-    def update_many(self, deltas: list[CachedRequestData]) -> None:
-        """update() for each delta. The common one (a single token, no drafts either side, new
-        blocks only appended) runs as array operations; any other, or one that update()
-        would refuse, goes through update() itself."""
-        simple, rest = [], []
-        for d in deltas:
-            (simple if len(d.new_token_ids) == 1 and not d.draft_token_ids else rest).append(d)
-        if len(simple) < self.array_path_min:
-            for d in deltas:
+    def slots_of(self, req_ids: list[str]) -> np.ndarray:
+        """The slots of requests this rank holds (KeyError names one it does not)."""
+        if not req_ids:
+            return np.zeros(0, np.int64)
+        got = itemgetter(*req_ids)(self.req_id_to_slot)
+        return np.array(got if len(req_ids) > 1 else (got,), np.int64)
+
+    def update_many(self, cached: CachedRequestData) -> None:
+        """update() for each entry. The common one (a single token, no drafts either side, new
+        blocks only appended) runs as array operations over the columns; any other, or one
+        that update() would refuse, goes through update() itself."""
+        n = len(cached.req_ids)
+        if n < self.array_path_min:
+            for d in cached.records():
                 self.update(d)
             return
-        rows = np.fromiter((self.req_id_to_slot[d.req_id] for d in simple), np.int64, len(simple))
-        starts = np.fromiter((d.token_start for d in simple), np.int64, len(simple))
-        tokens = np.fromiter((d.new_token_ids[0] for d in simple), np.int64, len(simple))
+        rows = self.slots_of(cached.req_ids)
+        starts = np.array(cached.token_starts, np.int64)
+        ntok = np.array(cached.num_new_tokens, np.int64)
+        nblocks = np.array(cached.num_new_blocks, np.int64)
+        bstart = np.array(cached.block_starts, np.int64)
+        simple = (ntok == 1) & (np.array(cached.num_drafts, np.int64) == 0)
+        tokens = np.zeros(n, np.int64)  # a simple entry's one token
+        tokens[simple] = np.array(cached.new_token_ids, np.int64)[(np.cumsum(ntok) - ntok)[simple]]
         known = self.num_tokens_known[rows]
         grows = starts >= known
-        nblocks = np.fromiter((len(d.new_block_ids) for d in simple), np.int64, len(simple))
         have = self.num_blocks[rows]
-        bstart = np.fromiter((-1 if d.block_start is None else d.block_start for d in simple),
-                             np.int64, len(simple))
-        fast = ((bstart < 0) | (bstart == have)) & (have + nblocks <= self.block_table.shape[1]) \
+        fast = simple & ((bstart < 0) | (bstart == have)) \
+            & (have + nblocks <= self.block_table.shape[1]) \
             & (self.num_draft_tokens[rows] == 0) & (self.num_unresolved_drafts[rows] == 0) \
             & (starts <= known) & (self.driver_resolves_pending
                                    | ~(grows & (self.num_pending_samples[rows] > 0))) \
             & (starts + 1 <= self.max_model_len)
-        fast_list = fast.tolist()
-        for d in rest + [d for d, ok in zip(simple, fast_list) if not ok]:
-            self.update(d)
-        rows, starts, tokens, known, grows = rows[fast], starts[fast], tokens[fast], known[fast], grows[fast]
-        fast_deltas = [d for d, ok in zip(simple, fast_list) if ok]
+        if not fast.all():
+            for d in cached.records(np.nonzero(~fast)[0].tolist()):
+                self.update(d)
+        idx = np.nonzero(fast)[0]
+        rows, starts, tokens, known, grows = rows[idx], starts[idx], tokens[idx], known[idx], grows[idx]
         rewind = starts < self.hash_len[rows]  # the running hash covers the cell
         if rewind.any():
             self._rewind_hashes(rows[rewind], starts[rewind])
@@ -141,16 +152,19 @@ class InputBatch:
         known = np.maximum(known, starts + 1)  # grows from its own value only (invariant 1)
         self.num_tokens_known[rows] = known
         self.last_sampled_token[rows] = self.token_ids[rows, known - 1]
-        counted = np.fromiter((not d.self_drafted for d in fast_deltas), bool, len(fast_deltas))
+        counted = ~np.array(cached.self_drafted, bool)[idx]
         if counted.any():  # the driver's count is canonical (no drafts: it must equal ours)
             r = rows[counted]
-            theirs = np.fromiter((d.num_computed_tokens for d, c in zip(fast_deltas, counted) if c),
-                                 np.int64, int(counted.sum()))
+            theirs = np.array(cached.num_computed_tokens, np.int64)[idx][counted]
             self.num_conflicts[r] += self.num_computed_tokens[r] != theirs
             self.num_computed_tokens[r] = theirs
-        for d, row in zip(fast_deltas, rows.tolist()):
-            if d.new_block_ids:
-                self._append_blocks(row, d.new_block_ids)
+        with_blocks = np.nonzero(nblocks[idx])[0]
+        if len(with_blocks):
+            blk_off = (np.cumsum(nblocks) - nblocks)[idx]
+            flat_blocks = cached.new_block_ids
+            for i in with_blocks.tolist():
+                o = int(blk_off[i])
+                self._append_blocks(int(rows[i]), flat_blocks[o:o + int(nblocks[idx[i]])])
 
     # ---- rows ----------------------------------------------------------------------------
     @property
@@ -190,7 +204,7 @@ class InputBatch:
         self.generation[row] += 1
         return row
 
-    def update(self, delta: CachedRequestData) -> None:
+    def update(self, delta: CachedRequest) -> None:
         row = self.req_id_to_slot[delta.req_id]
         have = int(self.num_blocks[row])
         start = have if delta.block_start is None else delta.block_start
@@ -216,7 +230,7 @@ class InputBatch:
         self.num_unresolved_drafts[row] = 0
         self._append_blocks_from(row, delta)
 
-    def _append_blocks_from(self, row: int, delta: CachedRequestData) -> None:
+    def _append_blocks_from(self, row: int, delta: CachedRequest) -> None:
         if delta.block_start is None and not delta.new_block_ids:
             return
         if delta.block_start is not None:  # checked in update()
@@ -358,11 +372,11 @@ class InputBatch:
         heapq.heappush(self._free_slots, slot)
         return True
 
-    def digests(self, plan: StepPlan, full: bool = False, full_every: int = 0) -> list[RowDigest]:
+    def digests(self, plan: StepPlan, full: bool = False, full_every: int = 0) -> RowDigests:
         """digests_of(plan_view(plan, self)): for callers without a view at hand."""
         return self.digests_of(plan_view(plan, self), full, full_every)
 
-    def digests_of(self, view: PlanView, full: bool = False, full_every: int = 0) -> list[RowDigest]:
+    def digests_of(self, view: PlanView, full: bool = False, full_every: int = 0) -> RowDigests:
         """Fingerprints of every request the step runs, over the prefix it stands on (the
         view's digest_len). The running hashes move by the tokens since the last digest; a
         slot's hash is recomputed from its contents instead (and the running state reset to
@@ -384,10 +398,10 @@ class InputBatch:
         # Drafts follow the known prefix, so one hash over both covers them.
         with np.errstate(over="ignore"):
             hashes = known_hash + spans_hash_delta(self.token_ids, rows, lengths, lengths + drafts)
-        return [RowDigest(*fields) for fields in zip(
-            req_ids, self.incarnation[rows].tolist(), self.num_tokens_known[rows].tolist(),
+        return RowDigests(
+            list(req_ids), self.incarnation[rows].tolist(), self.num_tokens_known[rows].tolist(),
             lengths.tolist(), self.num_computed_tokens[rows].tolist(), hashes.tolist(),
-            self.num_conflicts[rows].tolist(), drafts.tolist())]
+            self.num_conflicts[rows].tolist(), drafts.tolist())
 
     # ---- internals -----------------------------------------------------------------------
     def _rewind_hashes(self, rows: np.ndarray, lengths: np.ndarray) -> None:

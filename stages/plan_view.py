@@ -30,28 +30,29 @@ class PlanView:
 
 
 def plan_view(plan: StepPlan, batch) -> PlanView:
-    """`batch`: the InputBatch the plan was just applied to."""
-    view = {n.req_id: (n.num_computed_tokens, len(n.token_ids), 0) for n in plan.new_reqs}
-    view.update({d.req_id: (d.num_computed_tokens, d.token_start + len(d.new_token_ids),
-                            len(d.draft_token_ids)) for d in plan.cached_reqs})
+    """`batch`: the InputBatch the plan was just applied to. The layout order is the cached
+    requests' then the new ones' (StepPlan.check), so each column is read in place."""
+    cached, new = plan.cached_reqs, plan.new_reqs
     req_ids = plan.scheduled_req_ids
     num_new = np.array(plan.num_scheduled_tokens, np.int64)
-    slots = np.fromiter((batch.req_id_to_slot[r] for r in req_ids), np.int64, len(req_ids))
-    digest_len = np.fromiter((view[r][1] for r in req_ids), np.int64, len(req_ids))
-    self_drafted = [d.req_id for d in plan.cached_reqs if d.self_drafted]
-    if self_drafted:
-        index = {r: i for i, r in enumerate(req_ids)}
-        for req_id in self_drafted:
-            slot, i = batch.req_id_to_slot[req_id], index[req_id]
+    slots = batch.slots_of(req_ids)
+    ntok = np.array(cached.num_new_tokens, np.int64)
+    starts = np.array(cached.num_computed_tokens + [n.num_computed_tokens for n in new], np.int64)
+    known = np.concatenate([np.array(cached.token_starts, np.int64) + ntok,
+                            np.array([len(n.token_ids) for n in new], np.int64)])
+    drafts = np.concatenate([np.array(cached.num_drafts, np.int64), np.zeros(len(new), np.int64)])
+    digest_len = known.copy()
+    if any(cached.self_drafted):
+        for i in np.nonzero(np.array(cached.self_drafted, bool))[0].tolist():
+            slot = int(slots[i])
             nd = int(batch.num_draft_tokens[slot])
             if 1 + nd > num_new[i]:
-                raise AssertionError(f"request {req_id!r}: {nd} drafts but {num_new[i]} tokens planned")
+                raise AssertionError(f"request {req_ids[i]!r}: {nd} drafts but {num_new[i]} "
+                                     "tokens planned")
             num_new[i] = 1 + nd
             landed = int(batch.num_tokens_known[slot])
-            view[req_id] = (int(batch.num_computed_tokens[slot]),
-                            landed + int(batch.num_pending_samples[slot]), nd)
+            starts[i] = batch.num_computed_tokens[slot]
+            known[i] = landed + int(batch.num_pending_samples[slot])
+            drafts[i] = nd
             digest_len[i] = landed
-    starts = np.fromiter((view[r][0] for r in req_ids), np.int64, len(req_ids))
-    known = np.fromiter((view[r][1] for r in req_ids), np.int64, len(req_ids))
-    drafts = np.fromiter((view[r][2] for r in req_ids), np.int64, len(req_ids))
     return PlanView(req_ids, slots, starts, num_new, known, drafts, digest_len)

@@ -8,7 +8,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ray_runtime.messages import SamplerOutput
+from ray_runtime.messages import RowDigests, SamplerOutput
 from stages.model import AttentionMetadata
 
 
@@ -58,7 +58,7 @@ class LaunchedStep:
     step_id: int
     start: float
     recv_done: float
-    digests: list
+    digests: RowDigests
     digest_s: float
     gpu_start: Optional[torch.cuda.Event]
     gpu_end: Optional[torch.cuda.Event] = None

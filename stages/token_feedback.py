@@ -65,14 +65,13 @@ class _Incoming:
 def num_samples(plan) -> int:
     """How many requests a plan samples for (those whose tokens reach the end of their known
     prefix), from the plan alone: what both ends size a step's message by, when the rank's
-    own view of the plan is not at hand (a step that failed)."""
-    known = {n.req_id: len(n.token_ids) for n in plan.new_reqs}
-    start = {n.req_id: n.num_computed_tokens for n in plan.new_reqs}
-    for d in plan.cached_reqs:
-        known[d.req_id] = d.token_start + len(d.new_token_ids)
-        start[d.req_id] = d.num_computed_tokens
-    return sum(start[r] + n >= known[r]
-               for r, n in zip(plan.scheduled_req_ids, plan.num_scheduled_tokens))
+    own view of the plan is not at hand (a step that failed). The layout order is the cached
+    requests' then the new ones' (StepPlan.check)."""
+    c = plan.cached_reqs
+    start = c.num_computed_tokens + [n.num_computed_tokens for n in plan.new_reqs]
+    known = [s + n for s, n in zip(c.token_starts, c.num_new_tokens)] \
+        + [len(n.token_ids) for n in plan.new_reqs]
+    return sum(s + n >= k for s, n, k in zip(start, plan.num_scheduled_tokens, known))
 
 
 class TokenSender:

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from ray_runtime.channel import ERROR, PLAN, RESULT, STOP, Channel, ChannelClosed
-from ray_runtime.messages import StageStepResult, StageTiming, StepPlan, decode_result, encode
+from ray_runtime.messages import (CachedRequestData, RowDigests, StageStepResult, StageTiming,
+                                  StepPlan, decode_result, encode)
 from stages.step_loop import StepLoop
 
 
@@ -43,11 +44,11 @@ class FakeRunner:
             time.sleep(0.001)
         self.events.append(("finish", step[0]))
         t = StageTiming(0.0, 0.0, 0.0, 0.0, 0.0)
-        return StageStepResult(step_id=step[0], rank=self.rank, timing=t, digests=[])
+        return StageStepResult(step_id=step[0], rank=self.rank, timing=t, digests=RowDigests())
 
 
 def _plan(step: int) -> bytes:
-    return encode(StepPlan(step, [], [], [], [], []))
+    return encode(StepPlan(step, [], [], CachedRequestData(), [], []))
 
 
 def _connect(runner) -> tuple[StepLoop, Channel]:

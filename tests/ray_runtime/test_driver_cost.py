@@ -17,7 +17,7 @@ from ray_runtime.digest import extend_hash, rows_hash
 from ray_runtime.echo_ranks import EchoRanks
 from ray_runtime.engine_core import EngineCore
 from ray_runtime.kv_blocks import BlockManager
-from ray_runtime.messages import RequestSpec, RowDigest, decode_plan, encode
+from ray_runtime.messages import RequestSpec, RowDigest, RowDigests, decode_plan, encode
 from ray_runtime.reconcile import BookkeepingMismatch, _findings, audit
 from ray_runtime.request import Request, hash_extend, prefix_hash
 from ray_runtime.sampling_params import RequestOutputKind, SamplingParams
@@ -141,9 +141,8 @@ def test_echo_ranks_audit_catches_a_plan_that_changed_a_token():
 
     def corrupting(data: bytes) -> None:
         plan = decode_plan(data)
-        for c in plan.cached_reqs:
-            if c.new_token_ids:
-                c.new_token_ids = [t + 1 for t in c.new_token_ids]
+        c = plan.cached_reqs  # columns: every request's new tokens in one flat list
+        c.new_token_ids = [t + 1 for t in c.new_token_ids]
         send(encode(plan))
 
     echo.send_plan = corrupting
@@ -217,10 +216,15 @@ def test_audit_finds_what_the_field_by_field_audit_finds(seed):
             vals[j] += rng.choice([-1, 1]) if j != 4 else 1 << rng.randrange(64)
         rid = f"r{i}" if rng.random() > 0.02 else "ghost"
         digests.append(RowDigest(rid, *vals))
+    columns = RowDigests.of(digests)
+    assert list(columns) == digests  # the records survive the columns
     for rank, is_last in ((0, False), (3, True)):
-        got = audit(expected, digests, rank, is_last)
+        got = audit(expected, columns, rank, is_last)
         assert got == _audit_field_by_field(expected, digests, rank, is_last)
         assert got and len(got) < len(digests)
+        skip = {m.req_id for m in got[::2]}  # the requests audit is told not to audit
+        assert audit(expected, columns, rank, is_last, skip) == \
+            [m for m in got if m.req_id not in skip]
 
 
 # ---- the record's views and the block manager's fast path ----------------------------------

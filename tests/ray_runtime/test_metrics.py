@@ -13,7 +13,7 @@ import time
 import pytest
 
 from ray_runtime import metrics as M
-from ray_runtime.messages import NewRequestData, StageStepResult, StageTiming
+from ray_runtime.messages import NewRequestData, RowDigests, StageStepResult, StageTiming
 from ray_runtime.request import Request
 from ray_runtime.sampling_params import SamplingParams
 
@@ -131,7 +131,7 @@ def _plan(*rids):
 
 
 def _result(rank, start, recv_done, compute_done, end):
-    return StageStepResult(step_id=0, rank=rank, digests=[],
+    return StageStepResult(step_id=0, rank=rank, digests=RowDigests(),
                            timing=StageTiming(start, recv_done, compute_done, end, digest_s=0.0))
 
 

@@ -152,8 +152,9 @@ class Harness:
             self.known.pop(rid, None)
             self.rank_blocks.pop(rid, None)
             self.rank_computed.pop(rid, None)
-        named = [n.req_id for n in plan.new_reqs] + [c.req_id for c in plan.cached_reqs]
-        assert sorted(named) == sorted(plan.scheduled_req_ids)
+        plan.check()  # the layout order: the cached requests in order, then the new ones
+        named = [c.req_id for c in plan.cached_reqs] + [n.req_id for n in plan.new_reqs]
+        assert named == plan.scheduled_req_ids
         for new in plan.new_reqs:
             req = self.all[new.req_id]
             assert new.req_id not in self.known, "NewRequestData for a request the ranks hold"

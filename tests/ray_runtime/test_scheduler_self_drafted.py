@@ -81,8 +81,7 @@ def run(seed, budget=64, nblocks=512, mml=256, bs=2, nreq=6, eos=True, maxseqs=4
             if rec is None: break
             infl.append((rec,execute(rec)))
         rec,(dig,out)=infl.popleft()
-        digs=[d for d in dig if d.req_id not in rec.self_drafted]
-        ms=audit(rec.expected,digs,0,True)
+        ms=audit(rec.expected,dig,0,True,rec.self_drafted)
         bad=set(m.req_id for m in ms); nmis+=len(ms)
         s.update_from_output(rec,out,frozenset(bad))
         for r in bad: s.preempt(r)

@@ -254,7 +254,7 @@ def test_preemption_clears_drafts_and_readmission_sends_none():
     assert a.status is RequestStatus.WAITING and a.draft_token_ids == []
     assert d.s.blocks.num_owned("A") == 0
     rec = d.schedule()
-    assert rec.plan.removed_req_ids == ["A"] and rec.plan.cached_reqs == []
+    assert rec.plan.removed_req_ids == ["A"] and len(rec.plan.cached_reqs) == 0
     (new,) = rec.plan.new_reqs
     assert new.req_id == "A" and new.incarnation == 2 == a.incarnation
     assert new.token_ids == PROMPT + [T0] and new.num_computed_tokens == 0

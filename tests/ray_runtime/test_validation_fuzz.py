@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ray_runtime.messages import NewRequestData, RequestSpec, StepPlan, decode_plan, encode
+from ray_runtime.messages import (CachedRequestData, NewRequestData, RequestSpec, StepPlan,
+                                  decode_plan, encode)
 from ray_runtime.sampling_params import SAMPLING_EPS, SamplingParams
 from ray_runtime.validation import as_params_list, as_prompt_list, parse_prompt, validate_request
 
@@ -127,7 +128,7 @@ def check_good(sp: SamplingParams) -> None:
     assert sp.uses_penalties == (sp.presence_penalty != 0 or sp.frequency_penalty != 0
                                  or sp.repetition_penalty != 1)
     assert sp.is_greedy == (sp.temperature < SAMPLING_EPS)
-    plan = StepPlan(step_id=0, removed_req_ids=[], cached_reqs=[], scheduled_req_ids=["r"],
+    plan = StepPlan(step_id=0, removed_req_ids=[], cached_reqs=CachedRequestData(), scheduled_req_ids=["r"],
                     num_scheduled_tokens=[1],
                     new_reqs=[NewRequestData(req_id="r", incarnation=0, token_ids=[1],
                                              num_prompt_tokens=1, num_computed_tokens=0,

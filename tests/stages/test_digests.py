@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ray_runtime.messages import NewRequestData, StepPlan
+from ray_runtime.messages import CachedRequestData, NewRequestData, StepPlan
 from ray_runtime.sampling_params import SamplingParams
 from stages.input_batch import InputBatch
 from tests.conftest import stress_workload
@@ -35,7 +35,7 @@ def test_running_hash_equals_full_recompute_every_step(tiny_model, monkeypatch):
 def test_a_corrupted_cell_is_caught_by_the_full_recompute_only():
     b = InputBatch(2, 32, 16)
     new = NewRequestData("A", 1, list(range(10, 20)), 10, 0, [1], SamplingParams())
-    plan = StepPlan(0, [], [new], [], ["A"], [10])
+    plan = StepPlan(0, [], [new], CachedRequestData(), ["A"], [10])
     b.apply_plan(plan)
     clean = b.digests(plan)[0].token_hash
     b.token_ids[0, 3] += 1  # behind every write path's back

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ray_runtime.messages import CachedRequestData, NewRequestData, StepPlan
+from ray_runtime.messages import CachedRequest, CachedRequestData, NewRequestData, StepPlan
 from ray_runtime.sampling_params import SamplingParams
 from stages.input_batch import POISON, InputBatch
 
@@ -253,7 +253,7 @@ class InputBatchMachine(RuleBasedStateMachine):
         self.batch.mark_computed(req_id, n)
         m.num_computed += n
 
-    def _delta(self, data, req_id: str, overlap: bool = False) -> CachedRequestData:
+    def _delta(self, data, req_id: str, overlap: bool = False) -> CachedRequest:
         """The driver's delta. Plain: tokens appended at the end of the known prefix.
         overlap: token_start up to 3 positions back (the last rank appended its own samples
         first), with the overlapped part either agreeing with the row or not."""
@@ -267,7 +267,7 @@ class InputBatchMachine(RuleBasedStateMachine):
             over = _ids(data, known - start, 0, 50_000, "over")
         k = data.draw(st.integers(0, min(3, MAX_LEN - known)), label="k")
         nb = data.draw(st.integers(0, min(3, MAX_BLOCKS - len(m.blocks))), label="nb")
-        return CachedRequestData(
+        return CachedRequest(
             req_id=req_id, token_start=start,
             new_token_ids=over + _ids(data, k, 0, 50_000, "new_token_ids"),
             new_block_ids=_ids(data, nb, 1, 10_000, "new_block_ids"),
@@ -275,7 +275,7 @@ class InputBatchMachine(RuleBasedStateMachine):
             # the scheduler names where appended blocks start; None means the same
             block_start=data.draw(st.sampled_from([None, len(m.blocks)]), label="block_start"))
 
-    def _apply_delta_to_model(self, delta: CachedRequestData) -> None:
+    def _apply_delta_to_model(self, delta: CachedRequest) -> None:
         m = self.model[delta.req_id]
         if delta.num_computed_tokens != m.num_computed:  # the driver's count is canonical
             m.num_conflicts += 1
@@ -301,7 +301,7 @@ class InputBatchMachine(RuleBasedStateMachine):
         known_after = max(len(m.tokens), delta.token_start + len(delta.new_token_ids))
         limit = min(known_after, (len(m.blocks) + len(delta.new_block_ids)) * BS)
         other = data.draw(st.integers(0, limit), label="driver_computed")
-        delta = CachedRequestData(req_id=req_id, token_start=delta.token_start,
+        delta = CachedRequest(req_id=req_id, token_start=delta.token_start,
                                   new_token_ids=delta.new_token_ids,
                                   new_block_ids=delta.new_block_ids, num_computed_tokens=other)
         self.batch.update(delta)
@@ -312,7 +312,7 @@ class InputBatchMachine(RuleBasedStateMachine):
         req_id = self._live(data)
         m = self.model[req_id]
         start = len(m.tokens) + data.draw(st.integers(1, 3))
-        delta = CachedRequestData(req_id=req_id, token_start=start, new_token_ids=[5],
+        delta = CachedRequest(req_id=req_id, token_start=start, new_token_ids=[5],
                                   new_block_ids=[], num_computed_tokens=m.num_computed)
         before = batch_state(self.batch)
         with pytest.raises(AssertionError, match="gap"):
@@ -335,8 +335,10 @@ class InputBatchMachine(RuleBasedStateMachine):
         cached_ids = data.draw(st.lists(st.sampled_from(sorted(self.model)), unique=True)) \
             if self.model else []
         cached = [self._delta(data, r, data.draw(st.booleans())) for r in cached_ids]
+        order = cached_ids + new_ids  # the layout order: cached, then new (StepPlan.check)
         plan = StepPlan(step_id=0, removed_req_ids=removed, new_reqs=new_reqs,
-                        cached_reqs=cached, scheduled_req_ids=[], num_scheduled_tokens=[])
+                        cached_reqs=CachedRequestData.of(cached), scheduled_req_ids=order,
+                        num_scheduled_tokens=[1] * len(order))
         gen = self.batch.generation.copy()
         before = dict(self.batch.req_id_to_slot)
         self.batch.apply_plan(plan)
@@ -419,7 +421,7 @@ def test_slot_reuse_initializes_every_field():
     row = b.add(_request_a())
     gen_a = int(b.generation[row])
     b.mark_computed("A", 20)
-    b.update(CachedRequestData(req_id="A", token_start=20, new_token_ids=[500, 501, 502],
+    b.update(CachedRequest(req_id="A", token_start=20, new_token_ids=[500, 501, 502],
                                new_block_ids=[6, 7], num_computed_tokens=20))
     b.append_tokens("A", [503, 504])
     b.mark_computed("A", 4)
@@ -436,17 +438,17 @@ def test_slot_reuse_initializes_every_field():
 def test_slot_reuse_through_one_plan():
     """The driver's path: A's removal and B's admission in the same StepPlan."""
     b = InputBatch(4, 64, 4)
-    b.apply_plan(StepPlan(0, [], [_request_a()], [], ["A"], [20]))
+    b.apply_plan(StepPlan(0, [], [_request_a()], CachedRequestData(), ["A"], [20]))
     b.mark_computed("A", 20)
-    delta = CachedRequestData(req_id="A", token_start=20, new_token_ids=[500],
+    delta = CachedRequest(req_id="A", token_start=20, new_token_ids=[500],
                               new_block_ids=[6], num_computed_tokens=20)
-    b.apply_plan(StepPlan(1, [], [], [delta], ["A"], [1]))
+    b.apply_plan(StepPlan(1, [], [], CachedRequestData.of([delta]), ["A"], [1]))
     b.mark_computed("A", 1)
     row = b.req_id_to_slot["A"]
     gen_a = int(b.generation[row])
     assert b.last_sampled_token[row] == 500
     new_b = _request_b()
-    b.apply_plan(StepPlan(2, ["A"], [new_b], [], ["B"], [1]))
+    b.apply_plan(StepPlan(2, ["A"], [new_b], CachedRequestData(), ["B"], [1]))
     assert b.req_id_to_slot["B"] == row
     _assert_row_is_b(b, row, new_b, gen_a)
 
@@ -515,6 +517,7 @@ def run_chunked_prefill_scenario(batch_cls=InputBatch, *, use_check: bool = True
         if not running:
             break
         new_reqs, cached, scheduled, num_sched = [], [], [], []
+        new_sched = []  # (req_id, tokens) of the new ones: laid out after the cached ones
         for r in running:
             n = min(len(r.tokens) - r.computed, r.chunk)
             need = -(-(r.computed + n) // 4) - len(r.blocks)
@@ -528,13 +531,19 @@ def run_chunked_prefill_scenario(batch_cls=InputBatch, *, use_check: bool = True
                     block_ids=new_blocks, sampling=SamplingParams(max_tokens=r.max_tokens)))
             else:
                 # during L's chunked prefill: no new tokens, only blocks
-                cached.append(CachedRequestData(
+                cached.append(CachedRequest(
                     req_id=r.req_id, token_start=r.sent, new_token_ids=r.tokens[r.sent:],
                     new_block_ids=new_blocks, num_computed_tokens=r.computed))
+            first = r.sent == 0
             r.sent = len(r.tokens)
-            scheduled.append(r.req_id)
-            num_sched.append(n)
-        plan = StepPlan(step, removed, new_reqs, cached, scheduled, num_sched)
+            if first:
+                new_sched.append((r.req_id, n))
+            else:
+                scheduled.append(r.req_id)
+                num_sched.append(n)
+        scheduled += [r for r, _ in new_sched]
+        num_sched += [n for _, n in new_sched]
+        plan = StepPlan(step, removed, new_reqs, CachedRequestData.of(cached), scheduled, num_sched)
         batch.apply_plan(plan)
         verify(f"step {step} after apply_plan")
 
@@ -548,7 +557,9 @@ def run_chunked_prefill_scenario(batch_cls=InputBatch, *, use_check: bool = True
                 assert batch.num_computed_tokens[row] < batch.num_tokens_known[row]
         last_row = row
 
-        for r, n in zip(running, num_sched):
+        ran = dict(zip(scheduled, num_sched))
+        for r in running:
+            n = ran[r.req_id]
             batch.mark_computed(r.req_id, n)
             r.computed += n
         verify(f"step {step} after mark_computed")
@@ -574,7 +585,7 @@ class BuggyInputBatch(InputBatch):
     """vLLM's bug (docs/invariants.md, 1): on update, the known-prefix counter is rebuilt from
     num_computed_tokens instead of growing from its own value."""
 
-    def update(self, delta: CachedRequestData) -> None:
+    def update(self, delta: CachedRequest) -> None:
         super().update(delta)
         row = self.req_id_to_slot[delta.req_id]
         self.num_tokens_known[row] = delta.num_computed_tokens + len(delta.new_token_ids)
@@ -595,7 +606,7 @@ def test_planted_bug_is_harmless_outside_chunked_prefill():
     b = BuggyInputBatch(2, 64, 4)
     b.add(NewRequestData("D", 1, [1, 2, 3], 3, 0, [1], SamplingParams()))
     b.mark_computed("D", 3)
-    b.update(CachedRequestData(req_id="D", token_start=3, new_token_ids=[9], new_block_ids=[],
+    b.update(CachedRequest(req_id="D", token_start=3, new_token_ids=[9], new_block_ids=[],
                                num_computed_tokens=3))
     b.check()
     assert b.num_tokens_known[0] == 4

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ray_runtime.messages import NewRequestData
+from ray_runtime.messages import NewRequestData, RowDigests
 from ray_runtime.sampling_params import SamplingParams
 from stages.input_batch import InputBatch
 from stages.last_rank import LastRank
@@ -46,7 +46,7 @@ def _step(params: list[SamplingParams]) -> tuple[LastRank, _Model, LaunchedStep,
                              sample_num_drafts=[0] * n,
                              device=SimpleNamespace(sample_token_index=torch.arange(n),
                                                     sample_slots=torch.from_numpy(slots)))
-    step = LaunchedStep(step_id=1, start=0.0, recv_done=0.0, digests=[], digest_s=0.0, gpu_start=None)
+    step = LaunchedStep(step_id=1, start=0.0, recv_done=0.0, digests=RowDigests(), digest_s=0.0, gpu_start=None)
     rank.sample_step(1, torch.zeros(n, 8), inputs, step)
     return rank, model, step, slots
 

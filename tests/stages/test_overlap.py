@@ -11,7 +11,7 @@ import pytest
 
 from ray_runtime.config import EngineConfig
 from ray_runtime.engine_core import EngineCore
-from ray_runtime.messages import NewRequestData, RequestSpec, StepPlan
+from ray_runtime.messages import CachedRequestData, NewRequestData, RequestSpec, StepPlan
 from ray_runtime.ranks import LocalRanks
 from ray_runtime.sampling_params import RequestOutputKind, SamplingParams
 from stages.input_batch import InputBatch
@@ -95,7 +95,8 @@ def test_late_sample_for_a_freed_slot_is_dropped():
     b.mark_computed("A", 3)
     gens = b.expect_samples(np.array([slot]))
     b.check()
-    b.apply_plan(StepPlan(1, ["A"], [_req("B", [9, 9], incarnation=2)], [], ["B"], [2]))
+    b.apply_plan(StepPlan(1, ["A"], [_req("B", [9, 9], incarnation=2)], CachedRequestData(), ["B"],
+                           [2]))
     assert b.req_id_to_slot["B"] == slot
     landed = b.land_samples(np.array([slot]), gens, np.array([4242]))
     assert not landed.any()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from ray_runtime.digest import extend_hash
-from ray_runtime.messages import CachedRequestData, NewRequestData, StepPlan
+from ray_runtime.messages import CachedRequest, CachedRequestData, NewRequestData, StepPlan
 from ray_runtime.sampling_params import SamplingParams
 from stages.input_batch import POISON, InputBatch
 
@@ -29,15 +29,15 @@ def new_req(req_id: str, tokens: list[int], blocks: list[int], *, incarnation: i
 
 
 def delta(req_id: str, start: int, tokens: list[int], computed: int, *, blocks=(),
-          drafts=(), block_start=None) -> CachedRequestData:
-    return CachedRequestData(req_id=req_id, token_start=start, new_token_ids=list(tokens),
+          drafts=(), block_start=None) -> CachedRequest:
+    return CachedRequest(req_id=req_id, token_start=start, new_token_ids=list(tokens),
                              new_block_ids=list(blocks), num_computed_tokens=computed,
                              block_start=block_start, draft_token_ids=list(drafts))
 
 
 def plan(step: int, *, removed=(), new=(), cached=(), scheduled=(), num=()) -> StepPlan:
     return StepPlan(step_id=step, removed_req_ids=list(removed), new_reqs=list(new),
-                    cached_reqs=list(cached), scheduled_req_ids=list(scheduled),
+                    cached_reqs=CachedRequestData.of(cached), scheduled_req_ids=list(scheduled),
                     num_scheduled_tokens=list(num))
 
 

@@ -120,19 +120,19 @@ def test_a_wrong_token_on_the_link_is_reported_by_the_audit(link):
 def test_a_middle_rank_resolves_pending_samples_from_the_driver():
     """A rank between the first and the last never gets the value: the driver's token for a
     pending position resolves it (the array path and the single-request path alike)."""
-    from ray_runtime.messages import CachedRequestData
+    from ray_runtime.messages import CachedRequest, CachedRequestData
 
     b = batch_with({f"r{i}": [1, 2, 3] for i in range(8)})
     b.driver_resolves_pending = True
     slots = np.arange(8, dtype=np.int64)
     b.expect_samples(slots)
     b.mark_computed_rows(slots, np.full(8, 4))  # the placeholder step ran position 3
-    b.update_many([CachedRequestData(f"r{i}", 3, [50 + i], [], 4) for i in range(8)])
+    b.update_many(CachedRequestData.of([CachedRequest(f"r{i}", 3, [50 + i], [], 4) for i in range(8)]))
     assert b.num_pending_samples.tolist() == [0] * 8
     assert b.token_ids[:, 3].tolist() == [50 + i for i in range(8)]
     b.check()
     b.expect_samples(slots[:1])
-    b.update(CachedRequestData("r0", 4, [60], [], 4))
+    b.update(CachedRequest("r0", 4, [60], [], 4))
     assert b.num_pending_samples[0] == 0 and b.num_tokens_known[0] == 5
     b.check()
 
