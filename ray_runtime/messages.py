@@ -30,6 +30,14 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     sampling: SamplingParams
 
 
+def _index(i: int, n: int) -> int:
+    """i as a list index does it (negative from the end), or IndexError."""
+    j = i + n if i < 0 else i
+    if not 0 <= j < n:
+        raise IndexError(f"index {i} out of range for {n} requests")
+    return j
+
+
 class CachedRequest(msgspec.Struct, frozen=True, gc=False):
     """One entry of a CachedRequestData, as a record: what update() of one row takes, and
     what tests build plans from. Not sent as such: plans carry the columns."""
@@ -101,8 +109,8 @@ class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
     def __iter__(self):
         return iter(self.records())
 
-    def __getitem__(self, i: int) -> CachedRequest:
-        return self.records([i])[0]
+    def __getitem__(self, i):
+        return self.records()[i] if isinstance(i, slice) else self.records([_index(i, len(self))])[0]
 
     def records(self, which=None) -> list[CachedRequest]:
         """Entries `which` (indices, ascending; all by default) as records."""
@@ -127,6 +135,11 @@ class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"CachedRequestData.{name}: {len(getattr(self, name))} "
                                  f"entries for {n} requests")
+        for name in ("num_new_tokens", "num_new_blocks", "num_drafts"):
+            if n and min(getattr(self, name)) < 0:
+                raise ValueError(f"CachedRequestData.{name}: a negative count")
+        if n and min(self.block_starts) < -1:
+            raise ValueError("CachedRequestData.block_starts: below -1 (-1: append)")
         for flat, counts in (("new_token_ids", "num_new_tokens"), ("new_block_ids", "num_new_blocks"),
                              ("draft_token_ids", "num_drafts")):
             if len(getattr(self, flat)) != sum(getattr(self, counts)):
@@ -153,6 +166,8 @@ class StepPlan(msgspec.Struct, array_like=True, gc=False):
         request's entry by its place in the step, without a lookup by id)."""
         self.cached_reqs.check()
         order = self.cached_reqs.req_ids + [n.req_id for n in self.new_reqs]
+        if len(set(order)) != len(order):
+            raise ValueError(f"step {self.step_id}: a request named twice in {order}")
         if self.scheduled_req_ids != order:
             raise ValueError(f"step {self.step_id}: scheduled_req_ids {self.scheduled_req_ids} "
                              f"are not the cached requests then the new ones {order}")
@@ -219,8 +234,15 @@ class RowDigests(msgspec.Struct, array_like=True, gc=False):
     def __iter__(self):
         return iter(self.records())
 
-    def __getitem__(self, i: int) -> RowDigest:
-        return self.records([i])[0]
+    def __getitem__(self, i):
+        return self.records()[i] if isinstance(i, slice) else self.records([_index(i, len(self))])[0]
+
+    def check(self) -> None:
+        """One entry per request in every column (the audit reads them side by side)."""
+        n = len(self.req_ids)
+        for name, column in zip(self.__struct_fields__, msgspec.structs.astuple(self)):
+            if len(column) != n:
+                raise ValueError(f"RowDigests.{name}: {len(column)} entries for {n} requests")
 
     def records(self, which=None) -> list[RowDigest]:
         """Entries `which` (indices; all by default) as records."""

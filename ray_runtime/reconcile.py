@@ -37,6 +37,7 @@ def audit(expected: dict[str, Expectation], digests: RowDigests, rank: int, ahea
           skip: Collection[str] = ()) -> list[Mismatch]:
     """Each digest against the driver's expectation of its request (requests in `skip`
     are not audited)."""
+    digests.check()  # a short column would leave requests unaudited
     found: list[Mismatch] = []
     get = expected.get
     for i, (req_id, incarnation, own_known, hash_length, computed, token_hash, conflicts,

@@ -36,7 +36,7 @@ POISON = -1  # token id stored past a row's known prefix; embedding it fails lou
 
 
 class InputBatch:
-    array_path_min = 8  # update_many: below this many simple deltas, a loop is faster
+    array_path_min = 8  # update_many: below this many cached requests, a loop is faster
     # Per-slot numpy fields other than token_ids and block_table; `_clear_row` resets them all.
     _ROW_SCALARS = ("num_tokens_known", "num_prompt_tokens", "num_computed_tokens",
                     "num_blocks", "incarnation", "last_sampled_token", "num_conflicts",

@@ -9,6 +9,7 @@ import pytest
 from ray_runtime.messages import (CachedRequest, CachedRequestData, NewRequestData, RowDigest,
                                   RowDigests, StageStepResult, StageTiming, StepPlan, decode_plan,
                                   decode_result, encode)
+from ray_runtime.reconcile import audit
 from ray_runtime.sampling_params import SamplingParams
 
 
@@ -32,6 +33,9 @@ def test_cached_records_survive_the_columns_and_the_wire(seed):
     cached.check()
     assert list(cached) == records and len(cached) == 40
     assert cached[7] == records[7] and cached.records([3, 9]) == [records[3], records[9]]
+    assert cached[-1] == records[-1] and cached[-40] == records[0] and cached[5:9] == records[5:9]
+    with pytest.raises(IndexError):
+        cached[40]
     plan = StepPlan(5, ["gone"], [], cached, list(cached.req_ids), [1] * 40)
     plan.check()
     back = decode_plan(encode(plan))
@@ -54,6 +58,20 @@ def test_columns_of_the_wrong_length_are_refused():
     cached.new_token_ids.append(7)
     with pytest.raises(ValueError, match="new_token_ids"):
         cached.check()
+    cached = CachedRequestData.of(_records(random.Random(1), 5))
+    cached.num_new_tokens[0] -= 1
+    cached.num_new_tokens[1] = -1
+    with pytest.raises(ValueError, match="negative count"):
+        cached.check()
+    cached = CachedRequestData.of(_records(random.Random(1), 5))
+    cached.block_starts[2] = -2
+    with pytest.raises(ValueError, match="block_starts"):
+        cached.check()
+    digests = RowDigests(["a", "b"], [1, 1], [3, 3], [3, 3], [2, 2], [5, 5], [0, 0], [0])
+    with pytest.raises(ValueError, match="num_draft_tokens: 1 entries for 2 requests"):
+        digests.check()
+    with pytest.raises(ValueError, match="num_draft_tokens"):  # the audit refuses it too
+        audit({}, digests, 0, False)
 
 
 def _new(req_id: str) -> NewRequestData:
@@ -69,6 +87,8 @@ def test_the_layout_order_is_cached_then_new():
             StepPlan(1, [], [_new("c")], cached, order, [1] * len(order)).check()
     with pytest.raises(ValueError, match="num_scheduled_tokens"):
         StepPlan(1, [], [_new("c")], cached, ["a", "b", "c"], [1, 1]).check()
+    with pytest.raises(ValueError, match="named twice"):
+        StepPlan(1, [], [_new("a")], cached, ["a", "b", "a"], [1, 1, 1]).check()
 
 
 def test_digest_columns_round_trip_and_records():
@@ -77,7 +97,9 @@ def test_digest_columns_round_trip_and_records():
                          rng.randrange(500), rng.getrandbits(64), rng.randrange(2), rng.randrange(3))
                for i in range(30)]
     digests = RowDigests.of(records)
+    digests.check()
     assert list(digests) == records and digests[4] == records[4] and len(digests) == 30
+    assert digests[-1] == records[-1] and digests[2:5] == records[2:5]
     assert RowDigests.of([]) == RowDigests()
     timing = StageTiming(1.0, 1.0, 1.0, 1.0, 0.0)
     back = decode_result(encode(StageStepResult(3, 1, timing, digests)))
