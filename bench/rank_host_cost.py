@@ -16,16 +16,30 @@ times bookkeeping the driver accepts. Per micro-batch size (the requests one ste
 256 requests are micro-batches of 128 at PP=2 and 64 at PP=4), per phase the median over the
 steady steps, the smallest over --repeats runs (the 2-core machine is shared).
 
+With --baseline DIR (another checkout, e.g. `git worktree add /tmp/base COMMIT`), each of
+--rounds rounds runs this bench once on the baseline's code and once on this checkout's, in
+fresh processes, alternating, so that the machine's drift reaches both alike; per phase the
+smallest over the rounds, and their ratio.
+
   python bench/rank_host_cost.py [--rows 64 128 256] [--steps 200] [--repeats 3] [--tag cpu]
+  python bench/rank_host_cost.py --baseline /tmp/base --rounds 6 [--cpu 1] [--tag cpu_ab]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+# --code-root: whose ray_runtime/stages to time (a baseline checkout); this file's by default
+CODE_ROOT = sys.argv[sys.argv.index("--code-root") + 1] if "--code-root" in sys.argv \
+    else os.path.dirname(HERE)
+sys.path.insert(0, CODE_ROOT)
+sys.path.insert(1, os.path.dirname(HERE))  # bench.common, bench.driver_cost: this checkout's
 
 import numpy as np  # noqa: E402
 
@@ -100,6 +114,63 @@ def run_once(rows: int, steps: int, prompt_len: int) -> dict:
     return {"us": med, "checked": core.ranks.checked}
 
 
+def measure(rows_list: list[int], steps: int, prompt_len: int, repeats: int) -> list[dict]:
+    out = []
+    for rows in rows_list:
+        runs = [run_once(rows, steps, prompt_len) for _ in range(repeats)]
+        us = {k: round(min(r["us"][k] for r in runs), 1) for k in runs[0]["us"]}
+        out.append({"rows": rows, "us": us, "us_per_row": round(us["total"] / rows, 3),
+                    "digests_checked": sum(r["checked"] for r in runs)})
+    return out
+
+
+def _show(label: str, out: list[dict]) -> None:
+    for r in out:
+        print(f"{label}rows {r['rows']:4d}: " + "  ".join(f"{k} {v:7.1f}" for k, v in r["us"].items())
+              + f" us   ({r['us_per_row']:.2f} us/row)", flush=True)
+
+
+def _child(code_root: str, args) -> list[dict]:
+    """One measurement of `code_root`'s code in a fresh process (pinned to --cpu if given)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "out.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--code-root", code_root,
+               "--rows", *map(str, args.rows), "--steps", str(args.steps),
+               "--prompt-len", str(args.prompt_len), "--repeats", "1", "--json-out", path]
+        if args.cpu is not None:
+            cmd = ["taskset", "-c", str(args.cpu)] + cmd
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        with open(path) as f:
+            return json.load(f)
+
+
+def compare(args) -> dict:
+    """--rounds x (baseline, this), alternating; per phase the smallest over the rounds."""
+    ours = os.path.dirname(HERE)
+    runs = {"baseline": [], "this": []}
+    for i in range(args.rounds):
+        for name, root in (("baseline", args.baseline), ("this", ours)):
+            runs[name].append(_child(root, args))
+            _show(f"round {i + 1} {name:>8} ", runs[name][-1])
+    rows = []
+    for j, n in enumerate(args.rows):
+        best = {name: {k: min(r[j]["us"][k] for r in rs) for k in rs[0][j]["us"]}
+                for name, rs in runs.items()}
+        rows.append({"rows": n, "baseline_us": best["baseline"], "this_us": best["this"],
+                     "ratio": {k: round(best["this"][k] / best["baseline"][k], 3)
+                               for k in best["this"]}})
+        print(f"rows {n:4d}: this / baseline " + "  ".join(
+            f"{k} {v:.2f}" for k, v in rows[-1]["ratio"].items()), flush=True)
+    try:
+        base_commit = subprocess.check_output(["git", "-C", args.baseline, "rev-parse", "--short",
+                                               "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        base_commit = "unknown"
+    return {"baseline": args.baseline, "baseline_commit": base_commit, "rounds": args.rounds,
+            "cpu": args.cpu,
+            "rows": rows, "runs": runs}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256])
@@ -107,21 +178,27 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tag", default="cpu")
+    p.add_argument("--baseline", default=None, help="a checkout to time beside this one")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--cpu", type=int, default=None, help="pin each run to this CPU (taskset)")
+    p.add_argument("--code-root", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    out = []
-    for rows in args.rows:
-        runs = [run_once(rows, args.steps, args.prompt_len) for _ in range(args.repeats)]
-        us = {k: round(min(r["us"][k] for r in runs), 1) for k in runs[0]["us"]}
-        out.append({"rows": rows, "us": us, "us_per_row": round(us["total"] / rows, 3),
-                    "digests_checked": sum(r["checked"] for r in runs)})
-        print(f"rows {rows:4d}: " + "  ".join(f"{k} {v:7.1f}" for k, v in us.items())
-              + f" us   ({us['total'] / rows:.2f} us/row)", flush=True)
-    path = save(f"rank_host_cost_{args.tag}", {
-        "workload": {"steps": args.steps, "prompt_len": args.prompt_len,
-                     "repeats": args.repeats, "mode": "PP=2 plans, a middle rank's bookkeeping",
-                     "note": "per phase the median over steady decode steps, the smallest "
-                             "over the repeats; us per step"},
-        "rows": out})
+    workload = {"steps": args.steps, "prompt_len": args.prompt_len,
+                "mode": "PP=2 plans, a middle rank's bookkeeping",
+                "note": "us per step; per phase the median over steady decode steps, the "
+                        "smallest over the repeats (or, with a baseline, over the rounds)"}
+    if args.json_out:  # a child of compare()
+        with open(args.json_out, "w") as f:
+            json.dump(measure(args.rows, args.steps, args.prompt_len, args.repeats), f)
+        return
+    if args.baseline:
+        path = save(f"rank_host_cost_{args.tag}", {"workload": workload, **compare(args)})
+    else:
+        out = measure(args.rows, args.steps, args.prompt_len, args.repeats)
+        _show("", out)
+        path = save(f"rank_host_cost_{args.tag}",
+                    {"workload": {**workload, "repeats": args.repeats}, "rows": out})
     print("wrote", path)
 
 

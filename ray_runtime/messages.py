@@ -161,19 +161,26 @@ class StepPlan(msgspec.Struct, array_like=True, gc=False):
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens)
 
-    def check(self) -> None:
+    def check_layout(self) -> None:
         """The layout order is the cached requests', then the new ones' (a rank reads each
-        request's entry by its place in the step, without a lookup by id)."""
-        self.cached_reqs.check()
+        request's entry by its place in the step, without a lookup by id): cheap enough for
+        every step (InputBatch.apply_plan)."""
         order = self.cached_reqs.req_ids + [n.req_id for n in self.new_reqs]
-        if len(set(order)) != len(order):
-            raise ValueError(f"step {self.step_id}: a request named twice in {order}")
         if self.scheduled_req_ids != order:
             raise ValueError(f"step {self.step_id}: scheduled_req_ids {self.scheduled_req_ids} "
                              f"are not the cached requests then the new ones {order}")
         if len(self.num_scheduled_tokens) != len(order):
             raise ValueError(f"step {self.step_id}: {len(self.num_scheduled_tokens)} "
                              f"num_scheduled_tokens for {len(order)} requests")
+
+    def check(self) -> None:
+        """check_layout, every column's length and counts, and no request named twice
+        (tests, and every step under debug_checks)."""
+        self.check_layout()
+        self.cached_reqs.check()
+        if len(set(self.scheduled_req_ids)) != len(self.scheduled_req_ids):
+            raise ValueError(f"step {self.step_id}: a request named twice in "
+                             f"{self.scheduled_req_ids}")
 
 
 class SamplerOutput(msgspec.Struct, array_like=True, gc=False):

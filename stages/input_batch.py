@@ -94,7 +94,7 @@ class InputBatch:
     # ---- the whole-step entry point ------------------------------------------------------
     def apply_plan(self, plan: StepPlan) -> None:
         """Removals, admissions, then deltas: one operation, no follow-up owed."""
-        plan.check()  # the layout order plan_view reads entries by (a few list compares)
+        plan.check_layout()  # the order plan_view reads entries in (a list compare)
         for req_id in plan.removed_req_ids:
             self.remove(req_id)
         for new in plan.new_reqs:
@@ -137,8 +137,11 @@ class InputBatch:
         if not fast.all():
             for d in cached.records(np.nonzero(~fast)[0].tolist()):
                 self.update(d)
-        idx = np.nonzero(fast)[0]
-        rows, starts, tokens, known, grows = rows[idx], starts[idx], tokens[idx], known[idx], grows[idx]
+        if fast.all():  # the common step: every entry on the array path, no copies
+            idx = slice(None)
+        else:
+            idx = np.nonzero(fast)[0]
+            rows, starts, tokens, known, grows = rows[idx], starts[idx], tokens[idx], known[idx], grows[idx]
         rewind = starts < self.hash_len[rows]  # the running hash covers the cell
         if rewind.any():
             self._rewind_hashes(rows[rewind], starts[rewind])
@@ -152,19 +155,22 @@ class InputBatch:
         known = np.maximum(known, starts + 1)  # grows from its own value only (invariant 1)
         self.num_tokens_known[rows] = known
         self.last_sampled_token[rows] = self.token_ids[rows, known - 1]
-        counted = ~np.array(cached.self_drafted, bool)[idx]
-        if counted.any():  # the driver's count is canonical (no drafts: it must equal ours)
-            r = rows[counted]
-            theirs = np.array(cached.num_computed_tokens, np.int64)[idx][counted]
-            self.num_conflicts[r] += self.num_computed_tokens[r] != theirs
-            self.num_computed_tokens[r] = theirs
-        with_blocks = np.nonzero(nblocks[idx])[0]
-        if len(with_blocks):
+        # the driver's count is canonical (no drafts: it must equal ours); a self-drafted
+        # request keeps its own
+        theirs = np.array(cached.num_computed_tokens, np.int64)[idx]
+        r = rows
+        if any(cached.self_drafted):
+            counted = ~np.array(cached.self_drafted, bool)[idx]
+            r, theirs = rows[counted], theirs[counted]
+        self.num_conflicts[r] += self.num_computed_tokens[r] != theirs
+        self.num_computed_tokens[r] = theirs
+        if cached.new_block_ids:
+            nb = nblocks[idx]
             blk_off = (np.cumsum(nblocks) - nblocks)[idx]
             flat_blocks = cached.new_block_ids
-            for i in with_blocks.tolist():
+            for i in np.nonzero(nb)[0].tolist():
                 o = int(blk_off[i])
-                self._append_blocks(int(rows[i]), flat_blocks[o:o + int(nblocks[idx[i]])])
+                self._append_blocks(int(rows[i]), flat_blocks[o:o + int(nb[i])])
 
     # ---- rows ----------------------------------------------------------------------------
     @property

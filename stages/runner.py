@@ -233,6 +233,7 @@ class StageRunner:
         if self.fault_hook is not None:
             self.fault_hook(self.batch, plan)
         if self.config.debug_checks:
+            plan.check()
             self.batch.check()
         with phase("stage inputs"):
             view = plan_view(plan, self.batch)  # what each request runs: read by inputs and digests

@@ -118,3 +118,13 @@ def test_no_message_struct_is_tracked_by_the_collector():
                                        list(cached.req_ids) + ["n"], [1, 1, 1, 3])))
     for obj in (plan, plan.cached_reqs, plan.new_reqs[0], cached[0], RowDigests()):
         assert not gc.is_tracked(obj), type(obj).__name__
+
+
+def test_rank_host_cost_bench_times_bookkeeping_the_driver_accepts():
+    """bench/rank_host_cost.py: a real rank's digests equal the echo ranks' on every plan (it
+    raises otherwise), and every phase is timed."""
+    from bench.rank_host_cost import PHASES, run_once
+
+    out = run_once(rows=16, steps=12, prompt_len=24)
+    assert out["checked"] >= 12
+    assert all(out["us"][k] > 0 for k in PHASES)
