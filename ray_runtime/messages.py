@@ -10,11 +10,12 @@ tracked ones cost twice the time and trigger the collector's passes mid-step.
 """
 from __future__ import annotations
 
-from itertools import accumulate
 from typing import Optional
 
 import msgspec
 
+from ray_runtime.columns import (CachedRequest, CachedRequestData, RowDigest,  # noqa: F401
+                                 RowDigests)
 from ray_runtime.sampling_params import SamplingParams
 
 
@@ -28,123 +29,6 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     num_computed_tokens: int  # tokens whose KV is already valid in block_ids (0 here: no prefix cache)
     block_ids: list[int]
     sampling: SamplingParams
-
-
-def _index(i: int, n: int) -> int:
-    """i as a list index does it (negative from the end), or IndexError."""
-    j = i + n if i < 0 else i
-    if not 0 <= j < n:
-        raise IndexError(f"index {i} out of range for {n} requests")
-    return j
-
-
-class CachedRequest(msgspec.Struct, frozen=True, gc=False):
-    """One entry of a CachedRequestData, as a record: what update() of one row takes, and
-    what tests build plans from. Not sent as such: plans carry the columns."""
-
-    req_id: str
-    token_start: int  # position of new_token_ids[0] in the request's token sequence
-    new_token_ids: list[int]  # tokens [token_start, token_start + len) of the driver's view
-    new_block_ids: list[int]
-    num_computed_tokens: int  # the driver's count before this step, checked by every rank
-    # Index of new_block_ids[0] in the row's block table (a rollback shrinks it); None: append.
-    block_start: Optional[int] = None
-    # Speculative decoding: the drafts this step verifies, placed right after the known
-    # prefix. Every plan naming a request states its drafts (none: an empty list).
-    draft_token_ids: list[int] = []
-    # PP=1 async: the rank runs its own latest tokens and drafts (1 + its drafts, at most
-    # num_scheduled_tokens) from its own computed count; the driver corrects its view later.
-    self_drafted: bool = False
-
-
-class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
-    """The requests already in the ranks' batches, only what changed since the last plan
-    naming each, as columns (vLLM's CachedRequestData shape): entry i of every per-request
-    list belongs to req_ids[i]. Tokens, blocks and drafts are flattened: request i's are the
-    next num_new_tokens[i] (num_new_blocks[i], num_drafts[i]) entries of the flat list.
-
-    Columns, not a struct per request: a rank decodes them into a few lists and reads them
-    as arrays, with no Python work per request on the common path (a decode step's one
-    token). Entry i as a record: cached[i]; all of them: iter(cached)."""
-
-    req_ids: list[str] = []
-    token_starts: list[int] = []
-    num_new_tokens: list[int] = []
-    new_token_ids: list[int] = []
-    num_computed_tokens: list[int] = []
-    num_new_blocks: list[int] = []
-    new_block_ids: list[int] = []
-    block_starts: list[int] = []  # -1: append after the row's blocks
-    num_drafts: list[int] = []
-    draft_token_ids: list[int] = []
-    self_drafted: list[bool] = []
-
-    @classmethod
-    def of(cls, entries) -> "CachedRequestData":
-        out = cls([], [], [], [], [], [], [], [], [], [], [])
-        for e in entries:
-            out.append(e.req_id, e.token_start, e.new_token_ids, e.new_block_ids,
-                       e.num_computed_tokens, e.block_start, e.draft_token_ids, e.self_drafted)
-        return out
-
-    def append(self, req_id: str, token_start: int, new_token_ids: list[int],
-               new_block_ids: list[int], num_computed_tokens: int, block_start: Optional[int],
-               draft_token_ids: list[int], self_drafted: bool) -> None:
-        """One more request (the scheduler's builder: each column grows by its entry)."""
-        self.req_ids.append(req_id)
-        self.token_starts.append(token_start)
-        self.num_new_tokens.append(len(new_token_ids))
-        self.new_token_ids.extend(new_token_ids)
-        self.num_computed_tokens.append(num_computed_tokens)
-        self.num_new_blocks.append(len(new_block_ids))
-        self.new_block_ids.extend(new_block_ids)
-        self.block_starts.append(-1 if block_start is None else block_start)
-        self.num_drafts.append(len(draft_token_ids))
-        self.draft_token_ids.extend(draft_token_ids)
-        self.self_drafted.append(self_drafted)
-
-    def __len__(self) -> int:
-        return len(self.req_ids)
-
-    def __iter__(self):
-        return iter(self.records())
-
-    def __getitem__(self, i):
-        return self.records()[i] if isinstance(i, slice) else self.records([_index(i, len(self))])[0]
-
-    def records(self, which=None) -> list[CachedRequest]:
-        """Entries `which` (indices, ascending; all by default) as records."""
-        tok = list(accumulate(self.num_new_tokens, initial=0))
-        blk = list(accumulate(self.num_new_blocks, initial=0))
-        dra = list(accumulate(self.num_drafts, initial=0))
-        out = []
-        for i in (range(len(self.req_ids)) if which is None else which):
-            start = self.block_starts[i]
-            out.append(CachedRequest(
-                self.req_ids[i], self.token_starts[i], self.new_token_ids[tok[i]:tok[i + 1]],
-                self.new_block_ids[blk[i]:blk[i + 1]], self.num_computed_tokens[i],
-                None if start < 0 else start, self.draft_token_ids[dra[i]:dra[i + 1]],
-                self.self_drafted[i]))
-        return out
-
-    def check(self) -> None:
-        """Every column has one entry per request, and each flat list the sum of its counts."""
-        n = len(self.req_ids)
-        for name in ("token_starts", "num_new_tokens", "num_computed_tokens", "num_new_blocks",
-                     "block_starts", "num_drafts", "self_drafted"):
-            if len(getattr(self, name)) != n:
-                raise ValueError(f"CachedRequestData.{name}: {len(getattr(self, name))} "
-                                 f"entries for {n} requests")
-        for name in ("num_new_tokens", "num_new_blocks", "num_drafts"):
-            if n and min(getattr(self, name)) < 0:
-                raise ValueError(f"CachedRequestData.{name}: a negative count")
-        if n and min(self.block_starts) < -1:
-            raise ValueError("CachedRequestData.block_starts: below -1 (-1: append)")
-        for flat, counts in (("new_token_ids", "num_new_tokens"), ("new_block_ids", "num_new_blocks"),
-                             ("draft_token_ids", "num_drafts")):
-            if len(getattr(self, flat)) != sum(getattr(self, counts)):
-                raise ValueError(f"CachedRequestData.{flat}: {len(getattr(self, flat))} "
-                                 f"entries, {counts} sums to {sum(getattr(self, counts))}")
 
 
 class StepPlan(msgspec.Struct, array_like=True, gc=False):
@@ -200,62 +84,6 @@ class SamplerOutput(msgspec.Struct, array_like=True, gc=False):
     # len(sampled_token_ids[i]) - 1 of them), and the proposal for its next step.
     num_draft_tokens: Optional[list[int]] = None
     draft_token_ids: Optional[list[list[int]]] = None
-
-
-class RowDigest(msgspec.Struct, frozen=True, gc=False):
-    """One rank's bookkeeping for one request, right after it applied a plan, over the
-    prefix the driver has told it about (see ray_runtime/digest.py): one entry of a
-    RowDigests, as a record."""
-
-    req_id: str
-    incarnation: int
-    num_tokens_known: int  # the row's own counter
-    hash_length: int  # the driver's count of known tokens, as the plan stated it
-    num_computed_tokens: int
-    token_hash: int  # over token_ids[:hash_length + num_draft_tokens] as the row holds them
-    num_conflicts: int  # driver tokens that disagreed with what the row already held
-    num_draft_tokens: int = 0  # drafts the row holds after the known prefix
-
-
-class RowDigests(msgspec.Struct, array_like=True, gc=False):
-    """One rank's digests of the requests a step ran, as columns: entry i of every list is
-    req_ids[i]'s (the fields of RowDigest). Entry i as a record: digests[i]."""
-
-    req_ids: list[str] = []
-    incarnation: list[int] = []
-    num_tokens_known: list[int] = []
-    hash_length: list[int] = []
-    num_computed_tokens: list[int] = []
-    token_hash: list[int] = []
-    num_conflicts: list[int] = []
-    num_draft_tokens: list[int] = []
-
-    @classmethod
-    def of(cls, records) -> "RowDigests":
-        cols = list(zip(*(msgspec.structs.astuple(r) for r in records)))
-        return cls(*(list(c) for c in cols)) if cols else cls()
-
-    def __len__(self) -> int:
-        return len(self.req_ids)
-
-    def __iter__(self):
-        return iter(self.records())
-
-    def __getitem__(self, i):
-        return self.records()[i] if isinstance(i, slice) else self.records([_index(i, len(self))])[0]
-
-    def check(self) -> None:
-        """One entry per request in every column (the audit reads them side by side)."""
-        n = len(self.req_ids)
-        for name, column in zip(self.__struct_fields__, msgspec.structs.astuple(self)):
-            if len(column) != n:
-                raise ValueError(f"RowDigests.{name}: {len(column)} entries for {n} requests")
-
-    def records(self, which=None) -> list[RowDigest]:
-        """Entries `which` (indices; all by default) as records."""
-        cols = msgspec.structs.astuple(self)
-        idx = range(len(self.req_ids)) if which is None else which
-        return [RowDigest(*(c[i] for c in cols)) for i in idx]
 
 
 class StageTiming(msgspec.Struct, array_like=True, gc=False):

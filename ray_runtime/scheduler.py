@@ -220,8 +220,13 @@ class Scheduler:
         block_size = blocks.block_size
         owned_of = blocks.owned_of
         new_reqs: list[NewRequestData] = []
+        # The plan's cached requests as columns (ray_runtime/columns.py): the dense ones
+        # appended here, the rare ones (blocks, drafts, self-drafting) through add_rare.
         cached = CachedRequestData()
-        cached_append = cached.append
+        c_ids, c_starts, c_ntok, c_tokens, c_computed, c_bstarts = (
+            cached.req_ids.append, cached.token_starts.append, cached.num_new_tokens.append,
+            cached.new_token_ids.extend, cached.num_computed_tokens.append,
+            cached.block_starts.append)
         # Per scheduled request, in plan order: the audit's view (its keys are the plan's
         # order), the request and its tokens this step; the requests that will sample.
         expected: dict[str, Expectation] = {}
@@ -291,8 +296,17 @@ class Scheduler:
                     got = blocks.reserve(req_id, target)
                 block_start, new_blocks = got
             sent = req.num_tokens_sent
-            cached_append(req_id, sent, token_ids[sent:] if sent < num_tokens else _EMPTY,
-                          new_blocks, computed, block_start, drafts, self_drafted)
+            if new_blocks or drafts or self_drafted:
+                cached.add_rare(len(cached.req_ids), new_blocks, drafts, self_drafted)
+            c_ids(req_id)
+            c_starts(sent)
+            if sent < num_tokens:
+                c_ntok(num_tokens - sent)
+                c_tokens(token_ids[sent:])
+            else:
+                c_ntok(0)
+            c_computed(computed)
+            c_bstarts(block_start)
             req.num_tokens_sent = num_tokens
             if drafts:
                 expected[req_id] = Expectation(

@@ -120,11 +120,18 @@ class InputBatch:
         rows = self.slots_of(cached.req_ids)
         starts = np.array(cached.token_starts, np.int64)
         ntok = np.array(cached.num_new_tokens, np.int64)
-        nblocks = np.array(cached.num_new_blocks, np.int64)
         bstart = np.array(cached.block_starts, np.int64)
-        simple = (ntok == 1) & (np.array(cached.num_drafts, np.int64) == 0)
+        nblocks = np.zeros(n, np.int64)
+        if cached.block_entries:
+            nblocks[cached.block_entries] = cached.num_new_blocks
+        simple = ntok == 1
+        if cached.draft_entries:
+            simple[cached.draft_entries] = False
         tokens = np.zeros(n, np.int64)  # a simple entry's one token
-        tokens[simple] = np.array(cached.new_token_ids, np.int64)[(np.cumsum(ntok) - ntok)[simple]]
+        if len(cached.new_token_ids) == n and simple.all():  # a decode step: one token each
+            tokens = np.array(cached.new_token_ids, np.int64)
+        else:
+            tokens[simple] = np.array(cached.new_token_ids, np.int64)[(np.cumsum(ntok) - ntok)[simple]]
         known = self.num_tokens_known[rows]
         grows = starts >= known
         have = self.num_blocks[rows]
@@ -134,12 +141,11 @@ class InputBatch:
             & (starts <= known) & (self.driver_resolves_pending
                                    | ~(grows & (self.num_pending_samples[rows] > 0))) \
             & (starts + 1 <= self.max_model_len)
-        if not fast.all():
-            for d in cached.records(np.nonzero(~fast)[0].tolist()):
-                self.update(d)
         if fast.all():  # the common step: every entry on the array path, no copies
             idx = slice(None)
         else:
+            for d in cached.records(np.nonzero(~fast)[0].tolist()):
+                self.update(d)
             idx = np.nonzero(fast)[0]
             rows, starts, tokens, known, grows = rows[idx], starts[idx], tokens[idx], known[idx], grows[idx]
         rewind = starts < self.hash_len[rows]  # the running hash covers the cell
@@ -159,18 +165,20 @@ class InputBatch:
         # request keeps its own
         theirs = np.array(cached.num_computed_tokens, np.int64)[idx]
         r = rows
-        if any(cached.self_drafted):
-            counted = ~np.array(cached.self_drafted, bool)[idx]
+        if cached.self_drafted:
+            counted = np.ones(n, bool)
+            counted[cached.self_drafted] = False
+            counted = counted[idx]
             r, theirs = rows[counted], theirs[counted]
         self.num_conflicts[r] += self.num_computed_tokens[r] != theirs
         self.num_computed_tokens[r] = theirs
-        if cached.new_block_ids:
-            nb = nblocks[idx]
-            blk_off = (np.cumsum(nblocks) - nblocks)[idx]
-            flat_blocks = cached.new_block_ids
-            for i in np.nonzero(nb)[0].tolist():
-                o = int(blk_off[i])
-                self._append_blocks(int(rows[i]), flat_blocks[o:o + int(nb[i])])
+        if cached.block_entries:  # the fast entries' new blocks (the others took theirs above)
+            slot_of = self.req_id_to_slot
+            o = 0
+            for e, nb in zip(cached.block_entries, cached.num_new_blocks):
+                if fast[e]:
+                    self._append_blocks(slot_of[cached.req_ids[e]], cached.new_block_ids[o:o + nb])
+                o += nb
 
     # ---- rows ----------------------------------------------------------------------------
     @property

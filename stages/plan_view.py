@@ -40,10 +40,12 @@ def plan_view(plan: StepPlan, batch) -> PlanView:
     starts = np.array(cached.num_computed_tokens + [n.num_computed_tokens for n in new], np.int64)
     known = np.concatenate([np.array(cached.token_starts, np.int64) + ntok,
                             np.array([len(n.token_ids) for n in new], np.int64)])
-    drafts = np.concatenate([np.array(cached.num_drafts, np.int64), np.zeros(len(new), np.int64)])
+    drafts = np.zeros(len(req_ids), np.int64)
+    if cached.draft_entries:
+        drafts[cached.draft_entries] = cached.num_drafts
     digest_len = known.copy()
-    if any(cached.self_drafted):
-        for i in np.nonzero(np.array(cached.self_drafted, bool))[0].tolist():
+    if cached.self_drafted:
+        for i in cached.self_drafted:
             slot = int(slots[i])
             nd = int(batch.num_draft_tokens[slot])
             if 1 + nd > num_new[i]:

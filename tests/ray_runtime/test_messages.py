@@ -67,6 +67,18 @@ def test_columns_of_the_wrong_length_are_refused():
     cached.block_starts[2] = -2
     with pytest.raises(ValueError, match="block_starts"):
         cached.check()
+    records = [CachedRequest("a", 1, [5], [7, 8], 0), CachedRequest("b", 1, [5], [], 0, None, [9]),
+               CachedRequest("c", 1, [5], [6], 0, None, [9, 9], True)]
+    assert CachedRequestData.of(records).block_entries == [0, 2]  # rare fields: sparse
+    for field, value, what in (("block_entries", [2, 0], "not ascending"),
+                               ("draft_entries", [1, 3], "not ascending"),
+                               ("self_drafted", [5], "not ascending"),
+                               ("num_new_blocks", [2, 2], "num_new_blocks"),
+                               ("num_drafts", [0, 3], "num_drafts")):
+        cached = CachedRequestData.of(records)
+        setattr(cached, field, value)
+        with pytest.raises(ValueError, match=what):
+            cached.check()
     digests = RowDigests(["a", "b"], [1, 1], [3, 3], [3, 3], [2, 2], [5, 5], [0, 0], [0])
     with pytest.raises(ValueError, match="num_draft_tokens: 1 entries for 2 requests"):
         digests.check()
