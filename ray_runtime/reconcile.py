@@ -40,8 +40,8 @@ def audit(expected: dict[str, Expectation], digests: RowDigests, rank: int, ahea
     digests.check()  # a short column would leave requests unaudited
     found: list[Mismatch] = []
     get = expected.get
-    for i, (req_id, incarnation, own_known, hash_length, computed, token_hash, conflicts,
-            drafts) in enumerate(zip(*msgspec.structs.astuple(digests))):
+    for row in zip(*msgspec.structs.astuple(digests)):
+        req_id, incarnation, own_known, hash_length, computed, token_hash, conflicts, drafts = row
         exp = get(req_id)
         if exp is not None:
             known = exp.num_tokens_known
@@ -54,7 +54,7 @@ def audit(expected: dict[str, Expectation], digests: RowDigests, rank: int, ahea
                 continue
         if skip and req_id in skip:
             continue
-        found.extend(_findings(exp, digests[i], rank, ahead))
+        found.extend(_findings(exp, RowDigest(*row), rank, ahead))
     return found
 
 
