@@ -27,6 +27,21 @@ def _index(i: int, n: int) -> int:
     return j
 
 
+class _Entries:
+    """A columns struct read as a sequence of its records (`records(which)` and `req_ids`)."""
+
+    __slots__ = ()
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def __iter__(self):
+        return iter(self.records())
+
+    def __getitem__(self, i):
+        return self.records()[i] if isinstance(i, slice) else self.records([_index(i, len(self))])[0]
+
+
 class CachedRequest(msgspec.Struct, frozen=True, gc=False):
     """One entry of a CachedRequestData, as a record. Not sent as such: plans carry columns."""
 
@@ -45,7 +60,7 @@ class CachedRequest(msgspec.Struct, frozen=True, gc=False):
     self_drafted: bool = False
 
 
-class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
+class CachedRequestData(msgspec.Struct, _Entries, array_like=True, gc=False):
     """The requests already in the ranks' batches: only what changed since the last plan
     naming each (see the module docstring for the layout)."""
 
@@ -101,15 +116,6 @@ class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
             self.draft_token_ids.extend(draft_token_ids)
         if self_drafted:
             self.self_drafted.append(i)
-
-    def __len__(self) -> int:
-        return len(self.req_ids)
-
-    def __iter__(self):
-        return iter(self.records())
-
-    def __getitem__(self, i):
-        return self.records()[i] if isinstance(i, slice) else self.records([_index(i, len(self))])[0]
 
     def records(self, which=None) -> list[CachedRequest]:
         """Entries `which` (indices; all by default) as records."""
@@ -175,7 +181,7 @@ class RowDigest(msgspec.Struct, frozen=True, gc=False):
     num_draft_tokens: int = 0  # drafts the row holds after the known prefix
 
 
-class RowDigests(msgspec.Struct, array_like=True, gc=False):
+class RowDigests(msgspec.Struct, _Entries, array_like=True, gc=False):
     """One rank's digests of the requests a step ran, as columns: entry i of every list is
     req_ids[i]'s (the fields of RowDigest). Entry i as a record: digests[i]."""
 
@@ -192,15 +198,6 @@ class RowDigests(msgspec.Struct, array_like=True, gc=False):
     def of(cls, records) -> "RowDigests":
         cols = list(zip(*(msgspec.structs.astuple(r) for r in records)))
         return cls(*(list(c) for c in cols)) if cols else cls()
-
-    def __len__(self) -> int:
-        return len(self.req_ids)
-
-    def __iter__(self):
-        return iter(self.records())
-
-    def __getitem__(self, i):
-        return self.records()[i] if isinstance(i, slice) else self.records([_index(i, len(self))])[0]
 
     def check(self) -> None:
         """One entry per request in every column (the audit reads them side by side)."""
