@@ -53,9 +53,17 @@ def spans_hash_delta(token_ids: np.ndarray, rows: np.ndarray, start: np.ndarray,
     spans): a decode step's span is one token."""
     n = end - start
     out = np.zeros(len(rows), np.uint64)
-    total = int(n.sum())
-    if total == 0:
+    longest = int(n.max()) if len(n) else 0
+    if longest == 0:
         return out
+    if longest == 1:  # a decode step: at most one token per span, no repeat/scatter
+        one = np.nonzero(n)[0]
+        pos = start[one]
+        w = hash_weights(int(end.max()))
+        with np.errstate(over="ignore"):
+            out[one] = token_ids[rows[one], pos].astype(np.uint64) * w[pos]
+        return out
+    total = int(n.sum())
     which = np.repeat(np.arange(len(rows)), n)
     pos = np.arange(total) - np.repeat(np.cumsum(n) - n, n) + np.repeat(start, n)
     w = hash_weights(int(end.max()))

@@ -5,6 +5,7 @@ no write path saw is invisible to them until the next full recompute."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from ray_runtime.messages import CachedRequestData, NewRequestData, StepPlan
 from ray_runtime.sampling_params import SamplingParams
@@ -44,3 +45,19 @@ def test_a_corrupted_cell_is_caught_by_the_full_recompute_only():
     # and the running state now carries the recomputed (true) value
     assert b.digests(plan)[0].token_hash != clean
     assert b.hash_len[0] == 10 and b.hash_val[0] != np.uint64(0)
+
+
+@pytest.mark.parametrize("longest", [0, 1, 5])
+def test_a_span_moves_a_hash_from_its_start_to_its_end(longest):
+    """spans_hash_delta(start, end) = rows_hash(end) - rows_hash(start) (mod 2**64), for
+    spans of at most `longest` tokens (1: a decode step's, which takes its own path)."""
+    from ray_runtime.digest import rows_hash, spans_hash_delta
+
+    rng = np.random.default_rng(longest)
+    tokens = rng.integers(0, 150_000, (12, 40))
+    rows = rng.permutation(12)[:9]
+    start = rng.integers(0, 30, 9)
+    end = start + rng.integers(0, longest + 1, 9)
+    with np.errstate(over="ignore"):
+        want = rows_hash(tokens, rows, end) - rows_hash(tokens, rows, start)
+    assert spans_hash_delta(tokens, rows, start, end).tolist() == want.tolist()
