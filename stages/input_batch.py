@@ -127,10 +127,10 @@ class InputBatch:
         simple = ntok == 1
         if cached.draft_entries:
             simple[cached.draft_entries] = False
-        tokens = np.zeros(n, np.int64)  # a simple entry's one token
         if len(cached.new_token_ids) == n and simple.all():  # a decode step: one token each
             tokens = np.array(cached.new_token_ids, np.int64)
         else:
+            tokens = np.zeros(n, np.int64)  # a simple entry's one token
             tokens[simple] = np.array(cached.new_token_ids, np.int64)[(np.cumsum(ntok) - ntok)[simple]]
         known = self.num_tokens_known[rows]
         grows = starts >= known
@@ -151,9 +151,10 @@ class InputBatch:
         rewind = starts < self.hash_len[rows]  # the running hash covers the cell
         if rewind.any():
             self._rewind_hashes(rows[rewind], starts[rewind])
-        overlap = ~grows
-        np.add.at(self.num_conflicts, rows[overlap], self.token_ids[rows[overlap], starts[overlap]]
-                  != tokens[overlap])
+        overlap = ~grows  # the row holds the cell already (the last rank's own sample)
+        if overlap.any():
+            np.add.at(self.num_conflicts, rows[overlap],
+                      self.token_ids[rows[overlap], starts[overlap]] != tokens[overlap])
         self.token_ids[rows, starts] = tokens
         if self.driver_resolves_pending:
             resolved = rows[grows & (self.num_pending_samples[rows] > 0)]
