@@ -31,7 +31,8 @@ class PlanView:
 
 def plan_view(plan: StepPlan, batch) -> PlanView:
     """`batch`: the InputBatch the plan was just applied to. The layout order is the cached
-    requests' then the new ones' (StepPlan.check), so each column is read in place."""
+    requests' then the new ones' (StepPlan.check_layout, docs/invariants.md 7), so each
+    column is read in place."""
     cached, new = plan.cached_reqs, plan.new_reqs
     req_ids = plan.scheduled_req_ids
     num_new = np.array(plan.num_scheduled_tokens, np.int64)
