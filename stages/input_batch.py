@@ -117,7 +117,7 @@ class InputBatch:
             for d in cached.records():
                 self.update(d)
             return
-        rows = self.slots_of(cached.req_ids)
+        slots = rows = self.slots_of(cached.req_ids)
         starts = np.array(cached.token_starts, np.int64)
         ntok = np.array(cached.num_new_tokens, np.int64)
         bstart = np.array(cached.block_starts, np.int64)
@@ -174,11 +174,10 @@ class InputBatch:
         self.num_conflicts[r] += self.num_computed_tokens[r] != theirs
         self.num_computed_tokens[r] = theirs
         if cached.block_entries:  # the fast entries' new blocks (the others took theirs above)
-            slot_of = self.req_id_to_slot
             o = 0
             for e, nb in zip(cached.block_entries, cached.num_new_blocks):
                 if fast[e]:
-                    self._append_blocks(slot_of[cached.req_ids[e]], cached.new_block_ids[o:o + nb])
+                    self._append_blocks(int(slots[e]), cached.new_block_ids[o:o + nb])
                 o += nb
 
     # ---- rows ----------------------------------------------------------------------------

@@ -29,18 +29,26 @@ class PlanView:
     # own landed count for a self-drafted request (its pending samples have no value yet)
 
 
+def planned_spans(plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
+    """Per scheduled request, in layout order, as the plan states it: the position its tokens
+    start at, and the known prefix they stand on (before the self-drafted rule)."""
+    cached, new = plan.cached_reqs, plan.new_reqs
+    starts = np.array(cached.num_computed_tokens + [n.num_computed_tokens for n in new], np.int64)
+    known = np.concatenate([np.array(cached.token_starts, np.int64)
+                            + np.array(cached.num_new_tokens, np.int64),
+                            np.array([len(n.token_ids) for n in new], np.int64)])
+    return starts, known
+
+
 def plan_view(plan: StepPlan, batch) -> PlanView:
     """`batch`: the InputBatch the plan was just applied to. The layout order is the cached
     requests' then the new ones' (StepPlan.check_layout, docs/invariants.md 7), so each
     column is read in place."""
-    cached, new = plan.cached_reqs, plan.new_reqs
+    cached = plan.cached_reqs
     req_ids = plan.scheduled_req_ids
     num_new = np.array(plan.num_scheduled_tokens, np.int64)
     slots = batch.slots_of(req_ids)
-    ntok = np.array(cached.num_new_tokens, np.int64)
-    starts = np.array(cached.num_computed_tokens + [n.num_computed_tokens for n in new], np.int64)
-    known = np.concatenate([np.array(cached.token_starts, np.int64) + ntok,
-                            np.array([len(n.token_ids) for n in new], np.int64)])
+    starts, known = planned_spans(plan)
     drafts = np.zeros(len(req_ids), np.int64)
     if cached.draft_entries:
         drafts[cached.draft_entries] = cached.num_drafts

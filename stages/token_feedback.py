@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from stages.pinned_ring import PinnedRing
+from stages.plan_view import planned_spans
 
 FEEDBACK_TAG = 2
 SENDER, RECEIVER = 1, 0  # group-local ranks: the last rank and rank 0
@@ -65,13 +66,9 @@ class _Incoming:
 def num_samples(plan) -> int:
     """How many requests a plan samples for (those whose tokens reach the end of their known
     prefix), from the plan alone: what both ends size a step's message by, when the rank's
-    own view of the plan is not at hand (a step that failed). The layout order is the cached
-    requests' then the new ones' (StepPlan.check)."""
-    c = plan.cached_reqs
-    start = c.num_computed_tokens + [n.num_computed_tokens for n in plan.new_reqs]
-    known = [s + n for s, n in zip(c.token_starts, c.num_new_tokens)] \
-        + [len(n.token_ids) for n in plan.new_reqs]
-    return sum(s + n >= k for s, n, k in zip(start, plan.num_scheduled_tokens, known))
+    own view of the plan is not at hand (a step that failed)."""
+    starts, known = planned_spans(plan)
+    return int((starts + np.array(plan.num_scheduled_tokens, np.int64) >= known).sum())
 
 
 class TokenSender:
