@@ -15,7 +15,7 @@ pp{N}_out{L}_of_ceiling = efficiency / ceiling is how close the pipeline comes t
 
   python bench/pp_scaling.py [--requests 256] [--input-len 256] [--output-len 128 512] [--pp 1 2 4]
                              [--feedback on off] [--modes async sync] [--partition even 17,15]
-                             [--trace-dir DIR] [--tag h200x2]
+                             [--layers 16] [--trace-dir DIR] [--tag h200x2]
 """
 from __future__ import annotations
 
@@ -77,9 +77,36 @@ def random_llama8b(path: str) -> str:
     return path
 
 
+def first_layers(path: str, layers: int) -> str:
+    """The model of path cut to its first `layers` decoder layers: a folder with its own config
+    and an index pointing at path's shards (nothing copied). A stage of PP=2 on 16 layers has
+    the layers, rows and host work of a stage of PP=4 on 32."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    if layers == cfg["num_hidden_layers"]:
+        return path
+    out = f"{path}_{layers}layers"
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    keep = {k: os.path.join(path, v) for k, v in weight_map.items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": keep}, f)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump({**cfg, "num_hidden_layers": layers}, f)
+    return out
+
+
 def partition_suffix(part: str) -> str:
     """How a layer partition shows in run names and result keys ("" for the even split)."""
     return "" if part == "even" else "_partition_" + part.replace(",", "_")
+
+
+def per_step(after: dict, before: dict, key: str) -> list[float]:
+    """ms per step of a per-stage seconds counter between two stats() snapshots."""
+    return [round(1e3 * (a - z) / max(1, n1 - n0), 3) for a, z, n1, n0 in
+            zip(after[key], before[key], after["stage_steps"], before["stage_steps"])]
 
 
 def main() -> None:
@@ -97,6 +124,8 @@ def main() -> None:
     p.add_argument("--tag", default="")
     p.add_argument("--inflight", type=int, nargs="+", default=[0],
                    help="max_inflight_steps values to run at PP>1 (0: the default)")
+    p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"],
+                   help="run the model's first N layers (16 at PP=2: the stage of PP=4 on 32)")
     p.add_argument("--trace-dir", default=None, help="write a pipeline trace per run there")
     p.add_argument("--partition", nargs="+", default=["even"],
                    help="PP>1 layer partitions to run side by side: 'even' (the default "
@@ -107,7 +136,7 @@ def main() -> None:
     from ray_runtime import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    model = random_llama8b(args.path)
+    model = first_layers(random_llama8b(args.path), args.layers)
     print(f"checkpoint ready in {time.perf_counter() - t0:.0f}s", flush=True)
     ray.init(runtime_env={"env_vars": gpu_ray_env()}, include_dashboard=False)
     rng = random.Random(0)
@@ -157,10 +186,13 @@ def main() -> None:
                     "stage_gpu_idle_fraction": [round(1 - g / el, 3) for g in gpu_busy],
                     # the stage loop's view: time between steps and waiting for activations
                     "stage_idle_fraction": idle_fractions_between(b, st),
+                    # the host's launch of a step against the device's time for it
+                    "stage_launch_ms_per_step": per_step(st, b, "stage_launch_s"),
+                    "stage_gpu_ms_per_step": per_step(st, b, "stage_gpu_busy_s"),
                     "driver_s": {k: round(st[f"driver_{k}_s"] - b[f"driver_{k}_s"], 3)
                                  for k in ("plan", "wait", "audit")}})
                 print(rows[-1], flush=True)
-    result = {"model": {"shape": "Llama-3-8B", **SHAPE, "dtype": "bfloat16", "weights": "random"},
+    result = {"model": {"shape": "Llama-3-8B", **SHAPE, "num_hidden_layers": args.layers, "dtype": "bfloat16", "weights": "random"},
               "workload": {"requests": args.requests, "input_len": args.input_len,
                            "output_len": args.output_len, "ignore_eos": True}, "rows": rows}
     pp1 = {(r["output_len"], r["requests"]): r["output_tok_s"] for r in rows

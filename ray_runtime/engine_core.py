@@ -339,7 +339,8 @@ class EngineCore:
                 "driver_audit_s": self.audit_s, "stage_digest_s": list(self.digest_s),
                 "stage_busy_s": list(t.busy_s),
                 "stage_gpu_busy_s": list(self.gpu_busy_s) if self.config.device == "cuda" else None,
-                "stage_idle_s": list(t.idle_s), "stage_idle_fraction": t.idle_fractions()}
+                "stage_idle_s": list(t.idle_s), "stage_idle_fraction": t.idle_fractions(),
+                "stage_launch_s": list(t.launch_s), "stage_steps": list(t.steps)}
 
     def metric_totals(self) -> dict:
         """The cumulative counts and current gauges that a metrics flush records (the same

@@ -19,6 +19,12 @@ class PipelineTrace:
         self._last_end: list[Optional[float]] = [None] * pp_size
         self.busy_s = [0.0] * pp_size
         self.idle_s = [0.0] * pp_size  # between steps, and waiting for activations
+        # The host's launch of each step (plan in to kernels queued and activations or
+        # samples sent; on ranks > 0 with the wait for the previous rank's header), and how
+        # many steps: launch_s / steps against the device's time per step says whether a
+        # stage is bound by its host.
+        self.launch_s = [0.0] * pp_size
+        self.steps = [0] * pp_size
         self._first_start: list[Optional[float]] = [None] * pp_size
 
     def _span(self, tid: int, name: str, t0: float, t1: float, args: Optional[dict] = None) -> None:
@@ -49,6 +55,8 @@ class PipelineTrace:
         self._span(tid, "compute", t.recv_done, t.compute_done, args)
         self._span(tid, "send", t.compute_done, t.end, args)
         self.busy_s[rank] += t.end - t.recv_done
+        self.launch_s[rank] += t.compute_done - t.start - t.token_wait_s
+        self.steps[rank] += 1
         self._last_end[rank] = max(prev or t.end, t.end)
 
     def idle_fractions(self) -> list[float]:

@@ -16,5 +16,7 @@ def test_waits_count_as_idle_on_every_rank():
     assert tr.idle_s == [0.5, 1.5]
     assert tr.busy_s == [2.0, 2.0]
     assert [round(f, 3) for f in tr.idle_fractions()] == [0.2, 0.429]
+    # the host's launch: plan in to compute done, less rank 0's token wait
+    assert [round(x, 3) for x in tr.launch_s] == [0.8 + 0.8, 1.8 + 0.8] and tr.steps == [2, 2]
     names = {(e["tid"], e["name"]) for e in tr.events}
     assert (1, "token wait") in names and (2, "recv wait") in names and (2, "idle") in names
