@@ -49,7 +49,8 @@ def hf_greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-def agreement(model_dir, dtype_name, pp_sizes, n_req, n_tok, rng):
+def agreement(model_dir, dtype_name, pp_sizes, n_req, n_tok, rng, partitions=None):
+    """pp_sizes: one engine each; partitions: pp_layer_partition per entry (None: even)."""
     from transformers import AutoModelForCausalLM
 
     from ray_runtime import LLM, SamplingParams
@@ -62,9 +63,9 @@ def agreement(model_dir, dtype_name, pp_sizes, n_req, n_tok, rng):
     del hf
     torch.cuda.empty_cache()
     rows = []
-    for pp in pp_sizes:
+    for pp, part in zip(pp_sizes, partitions or [None] * len(pp_sizes)):
         with LLM(model_dir, pipeline_parallel_size=pp, device="cuda", dtype=dtype_name,
-                 max_num_batched_tokens=512, num_kv_blocks=2048) as llm:
+                 max_num_batched_tokens=512, num_kv_blocks=2048, pp_layer_partition=part) as llm:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                 SamplingParams(max_tokens=n_tok, temperature=0, ignore_eos=True))
             mism = llm.stats()["bookkeeping_mismatches"]
@@ -75,10 +76,10 @@ def agreement(model_dir, dtype_name, pp_sizes, n_req, n_tok, rng):
                 exact += 1
             else:
                 first_div.append(next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b))
-        rows.append({"dtype": dtype_name, "pp": pp, "requests": n_req, "tokens": n_tok,
+        rows.append({"dtype": dtype_name, "pp": pp, "partition": part, "requests": n_req, "tokens": n_tok,
                      "exact": exact, "agreement_rate": exact / n_req, "bookkeeping_mismatches": mism,
                      "first_divergence_positions": sorted(first_div)})
-        print(f"agreement {dtype_name} PP={pp}: {exact}/{n_req} exact; first divergences {sorted(first_div)[:20]}",
+        print(f"agreement {dtype_name} PP={pp} partition {part or 'even'}: {exact}/{n_req} exact; first divergences {sorted(first_div)[:20]}",
               flush=True)
     return rows
 
@@ -232,7 +233,11 @@ def main() -> None:
     pps = [n for n in (1, 2, 4) if n <= torch.cuda.device_count()]
     small = qwen3_dir(args.root, 5, torch.float32, small=True)
     result = {"gpus": torch.cuda.device_count(), "sync_debug": args.sync_debug, "agreement": []}
-    result["agreement"] += agreement(small, "float32", pps, 32, 32, rng)
+    # the even split at every PP size; then stage boundaries inside layers (layer_span.py)
+    halves = {2: "2.5,2.5", 4: "1.5,1,1,1.5"}
+    parts = [None] * len(pps) + [halves[n] for n in pps if n in halves]
+    result["agreement"] += agreement(small, "float32", pps + [n for n in pps if n in halves],
+                                     32, 32, rng, parts)
     result["agreement"] += agreement(small, "bfloat16", pps[:1], 200, 32, rng)
     result["sampled"] = sampled(small, pps, 48, 24, rng)
     result["seeded_noise_bits_equal_cpu"] = seeded_noise_matches_cpu()

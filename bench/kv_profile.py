@@ -18,6 +18,7 @@ from bench.common import save  # noqa: E402
 from bench.gpu_check import qwen3_dir  # noqa: E402
 from ray_runtime.config import EngineConfig  # noqa: E402
 from stages.kv_cache import bytes_per_block  # noqa: E402
+from ray_runtime.layer_span import LayerSpan  # noqa: E402
 from stages.runner import StageRunner  # noqa: E402
 
 
@@ -27,7 +28,7 @@ def main() -> None:
     for util in (0.9, 0.5):
         cfg = EngineConfig(model=model, device="cuda", dtype="bfloat16", max_num_batched_tokens=8192,
                            max_num_seqs=256, gpu_memory_utilization=util)
-        runner = StageRunner(cfg, 0, (0, 28), 2064)
+        runner = StageRunner(cfg, 0, LayerSpan.of_layers(0, 28), 2064)
         n = runner.kv_block_capacity()
         runner.init_kv_cache(n)
         free, total = torch.cuda.mem_get_info()

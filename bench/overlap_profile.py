@@ -29,6 +29,7 @@ def build(model_dir: str, rows: int, max_model_len: int, device: str, dtype: str
     from ray_runtime.engine_core import EngineCore
     from ray_runtime.ranks import LocalRanks
     from stages.model_spec import ModelSpec
+    from ray_runtime.layer_span import LayerSpan
     from stages.runner import StageRunner
 
     spec = ModelSpec.from_dir(model_dir)
@@ -37,7 +38,7 @@ def build(model_dir: str, rows: int, max_model_len: int, device: str, dtype: str
                        max_num_batched_tokens=max(8192, rows), num_kv_blocks=blocks,
                        max_model_len=max_model_len, async_scheduling=overlapped,
                        disable_log_stats=True)
-    runner = StageRunner(cfg, 0, (0, spec.num_layers), max_model_len)
+    runner = StageRunner(cfg, 0, LayerSpan.of_layers(0, spec.num_layers), max_model_len)
     runner.init_kv_cache(blocks)
     core = EngineCore(cfg, LocalRanks(runner, overlap=overlapped), num_kv_blocks=blocks,
                       max_model_len=max_model_len, eos_token_ids=spec.eos_token_ids)

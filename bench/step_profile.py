@@ -60,6 +60,7 @@ def build(args, model_dir: str, enforce_eager: bool):
     from ray_runtime.engine_core import EngineCore
     from ray_runtime.ranks import LocalRanks
     from stages.model_spec import ModelSpec
+    from ray_runtime.layer_span import LayerSpan
     from stages.runner import StageRunner
 
     spec = ModelSpec.from_dir(model_dir)
@@ -70,7 +71,7 @@ def build(args, model_dir: str, enforce_eager: bool):
                        num_kv_blocks=args.rows * per_req, max_model_len=max_model_len,
                        enforce_eager=enforce_eager, async_scheduling=False,
                        disable_log_stats=True)
-    runner = StageRunner(cfg, 0, (0, spec.num_layers), max_model_len)
+    runner = StageRunner(cfg, 0, LayerSpan.of_layers(0, spec.num_layers), max_model_len)
     runner.init_kv_cache(cfg.num_kv_blocks)
     core = EngineCore(cfg, LocalRanks(runner, overlap=False), num_kv_blocks=cfg.num_kv_blocks,
                       max_model_len=max_model_len, eos_token_ids=spec.eos_token_ids)

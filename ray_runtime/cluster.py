@@ -12,6 +12,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_runtime.config import EngineConfig
+from ray_runtime.layer_span import LayerSpan
 
 logger = logging.getLogger(__name__)
 
@@ -21,9 +22,10 @@ def driver_actor_name(engine_id: str) -> str:
     return f"ray_pp-{engine_id}-driver"
 
 
-def stage_actor_name(engine_id: str, rank: int, pp_size: int, layer_range: tuple[int, int]) -> str:
-    """A stage actor's name: engine, rank of how many, and its decoder layers (inclusive)."""
-    return f"ray_pp-{engine_id}-stage{rank}of{pp_size}-layers{layer_range[0]}-{layer_range[1] - 1}"
+def stage_actor_name(engine_id: str, rank: int, pp_size: int, span: LayerSpan) -> str:
+    """A stage actor's name: engine, rank of how many, and its decoder layers (inclusive;
+    LayerSpan.label)."""
+    return f"ray_pp-{engine_id}-stage{rank}of{pp_size}-layers{span.label()}"
 
 
 # A private local cluster's logical CPUs: room for several engines, or a later one of a larger
@@ -193,7 +195,7 @@ def create_placement_group(config: EngineConfig):
     return pg
 
 
-def start_stages(config: EngineConfig, pg, layer_ranges: list[tuple[int, int]],
+def start_stages(config: EngineConfig, pg, spans: list[LayerSpan],
                  max_model_len: int, engine_id: str = "") -> tuple[list, list[dict]]:
     """The stage actors in rank order, and where each runs (rank, layers, node id and
     address, pid, GPU ids)."""
@@ -201,14 +203,14 @@ def start_stages(config: EngineConfig, pg, layer_ranges: list[tuple[int, int]],
 
     remote_cls = ray.remote(StageWorker)
     stages = []
-    for rank, layer_range in enumerate(layer_ranges):
+    for rank, span in enumerate(spans):
         opts = dict(num_cpus=config.num_cpus_per_stage,
                     num_gpus=1 if config.device == "cuda" else 0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=rank))
         if engine_id:
-            opts["name"] = stage_actor_name(engine_id, rank, len(layer_ranges), layer_range)
-        stages.append(remote_cls.options(**opts).remote(config, rank, layer_range, max_model_len,
+            opts["name"] = stage_actor_name(engine_id, rank, len(spans), span)
+        stages.append(remote_cls.options(**opts).remote(config, rank, span, max_model_len,
                                                         engine_id=engine_id))
     infos = []
     for rank, stage in enumerate(stages):

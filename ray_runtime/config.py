@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from ray_runtime.layer_span import parse_partition
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -70,7 +72,8 @@ class SpeculativeConfig:
 class EngineConfig:
     model: str
     pipeline_parallel_size: int = 1
-    pp_layer_partition: Optional[tuple[int, ...]] = None  # layers per stage; None: even split
+    # layers per stage, halves allowed (ray_runtime/layer_span.py); None: an even split
+    pp_layer_partition: Optional[tuple[float, ...]] = None
     device: str = "cpu"
     dtype: str = "float32"
     block_size: int = 16
@@ -218,43 +221,6 @@ def default_inflight_steps(pp: int, feeds_tokens_back: bool = True) -> int:
     if pp == 1:
         return 2
     return 2 * pp if feeds_tokens_back else pp
-
-
-def parse_partition(value: str | tuple[int, ...] | list[int] | None) -> Optional[tuple[int, ...]]:
-    """'3,2,2' or [3, 2, 2] -> (3, 2, 2); validated against the model in `stage_layer_ranges`."""
-    if value is None or value == "":
-        return None
-    if isinstance(value, str):
-        try:
-            return tuple(int(x) for x in value.split(","))
-        except ValueError:
-            raise ValueError(f"pp_layer_partition must be comma-separated integers, got {value!r}") from None
-    return tuple(int(x) for x in value)
-
-
-def stage_layer_ranges(num_layers: int, pp_size: int,
-                       partition: Optional[tuple[int, ...]]) -> list[tuple[int, int]]:
-    """[start, end) of decoder layers per stage. Even split puts the extra layers on the
-    earliest stages, since the last stage also carries the LM head and the sampler."""
-    if pp_size > num_layers:
-        raise ValueError(f"pipeline_parallel_size ({pp_size}) exceeds the model's "
-                         f"num_hidden_layers ({num_layers})")
-    if partition is None:
-        base, extra = divmod(num_layers, pp_size)
-        partition = tuple(base + (1 if r < extra else 0) for r in range(pp_size))
-    if len(partition) != pp_size:
-        raise ValueError(f"pp_layer_partition has {len(partition)} entries but "
-                         f"pipeline_parallel_size is {pp_size}")
-    if any(n < 1 for n in partition):
-        raise ValueError(f"pp_layer_partition entries must be >= 1, got {list(partition)}")
-    if sum(partition) != num_layers:
-        raise ValueError(f"pp_layer_partition {list(partition)} sums to {sum(partition)}, "
-                         f"but the model has num_hidden_layers={num_layers}")
-    ranges, start = [], 0
-    for n in partition:
-        ranges.append((start, start + n))
-        start += n
-    return ranges
 
 
 def load_hf_config(model_dir: str) -> dict:

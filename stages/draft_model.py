@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ray_runtime.config import EngineConfig
+from ray_runtime.layer_span import LayerSpan
 from stages.input_batch import InputBatch
 from stages.kv_cache import allocate_kv_cache, bytes_per_block
 from stages.model import attention_metadata, build_stage
@@ -37,7 +38,7 @@ class DraftModelProposer:
         self.dtype = getattr(torch, config.dtype)
         self.device = config.device
         self.block_size = config.block_size
-        self.model = build_stage(self.spec, (0, self.spec.num_layers), True, True,
+        self.model = build_stage(self.spec, LayerSpan.of_layers(0, self.spec.num_layers), True, True,
                                  self.dtype, self.device)
         self.kv_caches: list = []
         self._unseeded = unseeded

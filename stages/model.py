@@ -20,6 +20,7 @@ from torch import nn
 from kernels.layer_ops import add_rms_norm, norm_rope, rms_norm, silu_and_mul
 from kernels.paged_attention import (DecodeLayout, decode_layout_arrays, paged_attention,
                                      prefill_tile_arrays, write_kv)
+from ray_runtime.layer_span import LayerSpan
 from stages.model_spec import ModelSpec
 
 
@@ -216,45 +217,61 @@ def _concat_linears(*parts: nn.Linear) -> nn.Linear:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    """A decoder layer, or one of its two blocks where a stage boundary splits it
+    (ray_runtime/layer_span.py): attention=False holds only the MLP block, mlp=False only the
+    attention block."""
+
+    def __init__(self, spec: ModelSpec, attention: bool = True, mlp: bool = True) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if attention else None
+        self.self_attn = Attention(spec) if attention else None
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if mlp else None
+        self.mlp = MLP(spec) if mlp else None
 
     def forward(self, x, residual, cos, sin, meta, kv) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (mlp output, residual stream before it): the caller (or the next layer's
-        fused norm) adds them, as transformers' `residual + hidden_states` does."""
+        """Returns (the last block's output, the residual stream before it): the caller (or
+        the next block's fused norm) adds them, as transformers' `residual + hidden_states`
+        does. residual None: x is the whole residual stream (a stage's first block)."""
+        if self.self_attn is not None:
+            if residual is None:
+                residual, h = x, self.input_layernorm(x)
+            else:
+                h, residual = self.input_layernorm.add(x, residual)
+            x = self.self_attn(h, cos, sin, meta, kv)
+        if self.mlp is None:
+            return x, residual
         if residual is None:
-            residual, h = x, self.input_layernorm(x)
+            residual, h = x, self.post_attention_layernorm(x)
         else:
-            h, residual = self.input_layernorm.add(x, residual)
-        h = self.self_attn(h, cos, sin, meta, kv)
-        h, residual = self.post_attention_layernorm.add(h, residual)
+            h, residual = self.post_attention_layernorm.add(x, residual)
         return self.mlp(h), residual
 
 
 class StageModel(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_range: tuple[int, int], is_first: bool,
-                 is_last: bool) -> None:
+    def __init__(self, spec: ModelSpec, span: LayerSpan, is_first: bool, is_last: bool) -> None:
         super().__init__()
-        self.spec, self.layer_range = spec, layer_range
+        if not isinstance(span, LayerSpan):  # a plain (first, end) would be read as halves
+            raise TypeError(f"a stage's layers are a LayerSpan, got {span!r}")
+        self.spec, self.span = spec, span
         self.is_first, self.is_last = is_first, is_last
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size) if is_first else None
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(*layer_range))
+        self.layers = nn.ModuleList(DecoderLayer(spec, span.has_attention(i), span.has_mlp(i))
+                                    for i in span.layers)
         self.rotary = Rotary(spec)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if is_last else None
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if is_last else None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """x: token ids [num_tokens] on the first stage, else hidden states [num_tokens, hidden]."""
+        """x: token ids [num_tokens] on the first stage, else hidden states [num_tokens, hidden].
+        kv_caches: one per layer whose attention is here (LayerSpan.attention_layers)."""
         if self.is_first:
             x = self.embed_tokens(x)
         cos, sin = self.rotary(meta.positions, x.dtype)
         residual = None
-        for layer, kv in zip(self.layers, kv_caches):
+        caches = iter(kv_caches)
+        for layer in self.layers:
+            kv = next(caches) if layer.self_attn is not None else None
             x, residual = layer(x, residual, cos, sin, meta, kv)
         return x if residual is None else residual + x
 
@@ -268,7 +285,7 @@ class StageModel(nn.Module):
     # ---- loading -------------------------------------------------------------------------
     def checkpoint_names(self) -> dict[str, str]:
         """Our parameter name -> the checkpoint's tensor name, for this stage only."""
-        start = self.layer_range[0]
+        start = self.span.layers.start
         names = {}
         for ours in self.state_dict():
             if ours.startswith("rotary."):
@@ -309,16 +326,18 @@ class StageModel(nn.Module):
         self.eval()
 
 
-def build_stage(spec: ModelSpec, layer_range: tuple[int, int], is_first: bool, is_last: bool,
+def build_stage(spec: ModelSpec, span: LayerSpan, is_first: bool, is_last: bool,
                 dtype: torch.dtype, device: str) -> StageModel:
     """Allocate nothing for the skeleton (meta device), then take the checkpoint's tensors."""
     with torch.device("meta"):
-        model = StageModel(spec, layer_range, is_first, is_last)
+        model = StageModel(spec, span, is_first, is_last)
     model.load_checkpoint(dtype, device)
     if device == "cuda" and dtype != torch.float32:  # where the fused kernels run too
         for layer in model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+            if layer.self_attn is not None:
+                layer.self_attn.fuse()
+            if layer.mlp is not None:
+                layer.mlp.fuse()
     return model
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ray_runtime.config import EngineConfig
+from ray_runtime.layer_span import LayerSpan
 from ray_runtime.messages import SamplerOutput, StageStepResult, StageTiming, StepPlan
 from ray_runtime.sampling_params import SamplingParams
 from stages.cuda_graphs import DecodeGraphs
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 
 class StageRunner:
-    def __init__(self, config: EngineConfig, rank: int, layer_range: tuple[int, int],
+    def __init__(self, config: EngineConfig, rank: int, span: LayerSpan,
                  max_model_len: int) -> None:
         torch.set_num_threads(config.torch_threads_per_stage)
         self.config = config
@@ -46,9 +47,9 @@ class StageRunner:
         self.device = config.device
         self.dtype = getattr(torch, config.dtype)
         self.spec = ModelSpec.from_dir(config.model)
-        self.model = build_stage(self.spec, layer_range, self.is_first, self.is_last,
+        self.model = build_stage(self.spec, span, self.is_first, self.is_last,
                                  self.dtype, self.device)
-        self.num_layers = layer_range[1] - layer_range[0]
+        self.num_layers = len(span.attention_layers)  # the layers whose KV cache is here
         self.batch = InputBatch(config.max_num_seqs, max_model_len, config.block_size)
         self.last = LastRank(config, self.spec, self.model, self.batch) if self.is_last else None
         self.drafter = self.last.drafter if self.last is not None else None

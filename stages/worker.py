@@ -11,6 +11,7 @@ import os
 from typing import Callable, Optional
 
 from ray_runtime.config import EngineConfig
+from ray_runtime.layer_span import LayerSpan
 from stages import profiling
 from stages.runner import StageRunner
 from stages.step_loop import StepLoop
@@ -55,15 +56,15 @@ def require_model_folder(model: str, rank: int) -> None:
 
 
 class StageWorker:
-    def __init__(self, config: EngineConfig, rank: int, layer_range: tuple[int, int],
+    def __init__(self, config: EngineConfig, rank: int, span: LayerSpan,
                  max_model_len: int, engine_id: str = "") -> None:
         self._desc = (f"rank={rank}/{config.pipeline_parallel_size}, "
-                      f"layers={layer_range[0]}-{layer_range[1] - 1}, engine={engine_id or '?'}")
+                      f"layers={span.label()}, engine={engine_id or '?'}")
         self.log = stage_log(rank, config.pipeline_parallel_size)
         require_model_folder(config.model, rank)
         profiling.prepare(config.device)
-        self.runner = StageRunner(config, rank, layer_range, max_model_len)
-        self.log.info("layers %d-%d of %s loaded (pid %d)", layer_range[0], layer_range[1] - 1,
+        self.runner = StageRunner(config, rank, span, max_model_len)
+        self.log.info("layers %s of %s loaded (pid %d)", span.label(),
                       config.model, os.getpid())
         self.loop: Optional[StepLoop] = None
         self._store = None  # rank 0: the rendezvous store opened for the next init_transport
@@ -80,7 +81,7 @@ class StageWorker:
         return {"rank": self.runner.rank, "node_id": ctx.get_node_id(),
                 "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-                "layers": list(self.runner.model.layer_range)}
+                "layers": self.runner.model.span.bounds}
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0: open a fresh rendezvous store for the link, listening on this node's

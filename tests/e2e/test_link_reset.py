@@ -15,7 +15,7 @@ import ray
 from ray_runtime import LLM, SamplingParams
 from ray_runtime.output_processor import RequestFailed
 from ray_runtime.cluster import stage_actor_name
-from ray_runtime.config import stage_layer_ranges
+from ray_runtime.layer_span import stage_spans
 from tests.conftest import stress_workload
 from tests.reference import assert_matches, hf_greedy
 from tests.stages.test_transport import listening_addresses
@@ -52,7 +52,7 @@ def engines(ray_cluster, tiny_model):
 def link_infos(llm: LLM, pp: int) -> list[dict]:
     """Each stage's link_info(): how many times it has joined the link, where rank 0's store
     listens."""
-    ranges = stage_layer_ranges(llm.info["num_layers"], pp, None)
+    ranges = stage_spans(llm.info["num_layers"], pp, None)
     names = [stage_actor_name(llm.info["engine_id"], r, pp, lr) for r, lr in enumerate(ranges)]
     return ray.get([ray.get_actor(n).link_info.remote() for n in names])
 

@@ -52,6 +52,17 @@ def test_uneven_partition_and_budget_64(ray_cluster, tiny_model):
     assert stats["num_steps"] > len(prompts)  # chunked: more steps than requests
 
 
+def test_half_layer_partition(ray_cluster, tiny_model):
+    """Stage boundaries inside layers (ray_runtime/layer_span.py): rank 0 ends on layer 1's
+    attention, rank 1 starts on its MLP and ends on layer 3's attention."""
+    model = tiny_model("llama")  # 5 layers
+    prompts, budgets = stress_workload(seed=12, num_requests=24)
+    stats, _ = run_and_compare(model, 3, prompts, budgets, pp_layer_partition="1.5,2,1.5",
+                               max_num_seqs=16, max_num_batched_tokens=32, num_kv_blocks=30)
+    assert stats["num_preemptions"] > 0 and [p["layers"] for p in stats["stage_placement"]] == \
+        [[0, 1.5], [1.5, 3.5], [3.5, 5]]
+
+
 def test_eos_stops_unless_ignored(ray_cluster, tiny_model):
     """Without ignore_eos a request ends at the EOS the reference produces, and its
     neighbours are unaffected."""

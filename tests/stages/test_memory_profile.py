@@ -7,6 +7,7 @@ import torch
 
 from ray_runtime.config import EngineConfig
 from stages.model_spec import ModelSpec
+from ray_runtime.layer_span import LayerSpan
 from stages.runner import StageRunner
 
 
@@ -15,7 +16,7 @@ def test_memory_profile_runs_the_sampler_on_every_row(tiny_model, monkeypatch):
     spec = ModelSpec.from_dir(model_dir)
     cfg = EngineConfig(model=model_dir, max_num_seqs=6, max_num_batched_tokens=40,
                        num_kv_blocks=50, max_model_len=64, disable_log_stats=True)
-    runner = StageRunner(cfg, 0, (0, spec.num_layers), 64)
+    runner = StageRunner(cfg, 0, LayerSpan.of_layers(0, spec.num_layers), 64)
     for name, fake in [("empty_cache", lambda: None), ("reset_peak_memory_stats", lambda: None),
                        ("synchronize", lambda: None), ("mem_get_info", lambda: (8 << 30, 16 << 30)),
                        ("memory_allocated", lambda: 1 << 30), ("max_memory_allocated", lambda: 2 << 30)]:

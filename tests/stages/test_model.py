@@ -1,19 +1,20 @@
-"""stages/model.py: a stage holds exactly its layer range (read from safetensors), and the
-stages chained in-process reproduce HF's logits for a prompt, for every architecture."""
+"""stages/model.py: a stage holds exactly its layers, or its blocks of a layer split between
+stages (read from safetensors), and the stages chained in-process reproduce HF's logits for a
+prompt, for every architecture, with whole and half-layer partitions."""
 import pytest
 import torch
 from safetensors import safe_open
 
-from ray_runtime.config import stage_layer_ranges
+from ray_runtime.layer_span import stage_spans
 from stages.kv_cache import allocate_kv_cache
 from stages.model import AttentionMetadata, build_stage
 from stages.model_spec import ModelSpec
 from tests.tiny_models import ARCHS
 
 
-def _stages(model_dir, pp):
+def _stages(model_dir, pp, partition=None):
     spec = ModelSpec.from_dir(model_dir)
-    ranges = stage_layer_ranges(spec.num_layers, pp, None)
+    ranges = stage_spans(spec.num_layers, pp, partition)
     return spec, ranges, [build_stage(spec, r, i == 0, i == pp - 1, torch.float32, "cpu")
                           for i, r in enumerate(ranges)]
 
@@ -23,7 +24,8 @@ def test_each_stage_holds_only_its_layers(tiny_model, arch):
     model_dir = tiny_model(arch)
     spec, ranges, stages = _stages(model_dir, 3)
     with safe_open(f"{model_dir}/model.safetensors", framework="pt") as f:
-        for rank, (stage, (start, end)) in enumerate(zip(stages, ranges)):
+        for rank, (stage, span) in enumerate(zip(stages, ranges)):
+            start, end = span.layers.start, span.layers.stop
             assert len(stage.layers) == end - start
             assert (stage.embed_tokens is not None) == (rank == 0)
             assert (stage.lm_head is not None) == (rank == 2)
@@ -37,13 +39,39 @@ def test_each_stage_holds_only_its_layers(tiny_model, arch):
     assert not any(n.startswith(("embed_tokens", "norm.", "lm_head")) for n in names)
 
 
+def test_a_split_layer_is_held_in_blocks(tiny_model):
+    """1.5,2,1.5 of 5 layers: rank 0 holds layer 0 and layer 1's attention, rank 1 layer 1's
+    MLP, layer 2 and layer 3's attention, rank 2 layer 3's MLP and layer 4; each block's
+    tensors are the checkpoint's, and no stage holds a block it does not run."""
+    model_dir = tiny_model("llama")
+    spec, spans, stages = _stages(model_dir, 3, (1.5, 2, 1.5))
+    held = [[(i, layer.self_attn is not None, layer.mlp is not None)
+             for i, layer in zip(span.layers, stage.layers)] for span, stage in zip(spans, stages)]
+    assert held == [[(0, True, True), (1, True, False)],
+                    [(1, False, True), (2, True, True), (3, True, False)],
+                    [(3, False, True), (4, True, True)]]
+    assert [list(s.attention_layers) for s in spans] == [[0, 1], [2, 3], [4]]
+    with safe_open(f"{model_dir}/model.safetensors", framework="pt") as f:
+        for span, stage in zip(spans, stages):
+            for name, tensor in stage.state_dict().items():
+                if name.startswith("layers."):
+                    idx, rest = name[len("layers."):].split(".", 1)
+                    ckpt = f"model.layers.{span.layers.start + int(idx)}.{rest}"
+                    assert torch.equal(tensor, f.get_tensor(ckpt)), name
+    assert "layers.1.mlp.down_proj.weight" not in stages[0].state_dict()
+    assert "layers.0.self_attn.q_proj.weight" not in stages[1].state_dict()
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("pp", [1, 3])
-def test_chained_stages_match_hf_logits(tiny_model, arch, pp):
+@pytest.mark.parametrize("pp,partition", [(1, None), (3, None), (2, (2.5, 2.5)),
+                                          (3, (1.5, 2, 1.5))])
+def test_chained_stages_match_hf_logits(tiny_model, arch, pp, partition):
     from transformers import AutoModelForCausalLM
 
     model_dir = tiny_model(arch)
-    spec, ranges, stages = _stages(model_dir, pp)
+    if partition is not None and sum(partition) != ModelSpec.from_dir(model_dir).num_layers:
+        partition = partition[:-1] + (partition[-1] + 2,)  # qwen2 has 7 layers
+    spec, ranges, stages = _stages(model_dir, pp, partition)
     prompt = torch.arange(3, 43)
     block_size, n = 4, len(prompt)
     meta = AttentionMetadata(positions=torch.arange(n), slot_mapping=torch.arange(n),
@@ -51,8 +79,9 @@ def test_chained_stages_match_hf_logits(tiny_model, arch, pp):
                              seq_lens=[n], query_start_loc=[0, n])
     x = prompt
     with torch.inference_mode():
-        for stage, (start, end) in zip(stages, ranges):
-            kv = allocate_kv_cache(spec, end - start, n // block_size, block_size, torch.float32, "cpu")
+        for stage, span in zip(stages, ranges):
+            kv = allocate_kv_cache(spec, len(span.attention_layers), n // block_size, block_size,
+                                   torch.float32, "cpu")
             x = stage(x, meta, kv)
         ours = stages[-1].compute_logits(x)
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -16,6 +16,7 @@ from ray_runtime.ranks import LocalRanks
 from ray_runtime.sampling_params import RequestOutputKind, SamplingParams
 from stages.input_batch import InputBatch
 from stages.model_spec import ModelSpec
+from ray_runtime.layer_span import LayerSpan
 from stages.runner import StageRunner
 from tests.conftest import stress_workload
 from tests.reference import assert_matches, hf_greedy
@@ -26,7 +27,7 @@ def _engine(model_dir: str, overlap: bool, max_model_len: int = 320) -> EngineCo
     spec = ModelSpec.from_dir(model_dir)
     cfg = EngineConfig(model=model_dir, max_num_seqs=8, max_num_batched_tokens=48,
                        num_kv_blocks=200, max_model_len=max_model_len, disable_log_stats=True)
-    runner = StageRunner(cfg, 0, (0, spec.num_layers), max_model_len)
+    runner = StageRunner(cfg, 0, LayerSpan.of_layers(0, spec.num_layers), max_model_len)
     runner.init_kv_cache(cfg.num_kv_blocks)
     return EngineCore(cfg, LocalRanks(runner, overlap=overlap), num_kv_blocks=200,
                       max_model_len=max_model_len, eos_token_ids=spec.eos_token_ids)

@@ -1,0 +1,55 @@
+"""ray_runtime/layer_span.py: partitions in whole and half layers become spans of blocks that
+tile the model exactly once, each block on one stage; bad partitions are refused naming the
+field."""
+import pytest
+
+from ray_runtime.layer_span import LayerSpan, parse_partition, stage_spans
+
+
+@pytest.mark.parametrize("num_layers,pp,partition", [
+    (5, 2, None), (5, 3, None), (7, 4, None), (32, 2, (16.5, 15.5)), (32, 4, (8.5, 8, 8, 7.5)),
+    (5, 3, (1.5, 2, 1.5)), (7, 3, (1, 4, 2)), (4, 2, (1, 3))])
+def test_spans_tile_every_block_once(num_layers, pp, partition):
+    spans = stage_spans(num_layers, pp, partition)
+    assert spans[0].start == 0 and spans[-1].end == 2 * num_layers
+    assert all(a.end == b.start for a, b in zip(spans, spans[1:]))
+    for layer in range(num_layers):
+        assert sum(s.has_attention(layer) for s in spans) == 1
+        assert sum(s.has_mlp(layer) for s in spans) == 1
+        # a layer's attention and KV cache live together
+        assert [layer in s.attention_layers for s in spans] == [s.has_attention(layer) for s in spans]
+    for s in spans:  # every stage runs at least one attention (it holds a KV cache)
+        assert len(s.attention_layers) >= 1
+        assert set(s.layers) == {i for i in range(num_layers) if s.has_attention(i) or s.has_mlp(i)}
+    if partition is not None:
+        assert [(s.end - s.start) / 2 for s in spans] == list(partition)
+
+
+def test_even_split_puts_extra_layers_first():
+    assert stage_spans(7, 3, None) == [LayerSpan.of_layers(0, 3), LayerSpan.of_layers(3, 5),
+                                       LayerSpan.of_layers(5, 7)]
+
+
+def test_labels_and_bounds():
+    a, b = stage_spans(32, 2, (16.5, 15.5))
+    assert (a.label(), b.label()) == ("0-16a", "16m-31")
+    assert (a.bounds, b.bounds) == ([0, 16.5], [16.5, 32])
+    whole = LayerSpan.of_layers(3, 5)
+    assert whole.label() == "3-4" and whole.bounds == [3, 5] and list(whole.layers) == [3, 4]
+
+
+def test_parse_partition():
+    assert parse_partition("16.5,15.5") == (16.5, 15.5)
+    assert parse_partition("3,2,2") == (3, 2, 2) and all(type(x) is int for x in parse_partition("3,2"))
+    assert parse_partition([2, 2.0]) == (2, 2) and parse_partition(None) is None
+    with pytest.raises(ValueError, match="pp_layer_partition.*whole or half"):
+        parse_partition("16.25,15.75")
+    with pytest.raises(ValueError, match="pp_layer_partition must be comma-separated numbers"):
+        parse_partition("a,b")
+
+
+@pytest.mark.parametrize("partition,match", [((2, 2), "sums to 4"), ((0.5, 4.5), ">= 1"),
+                                             ((5,), "has 1 entries")])
+def test_bad_partitions_name_the_field(partition, match):
+    with pytest.raises(ValueError, match=f"pp_layer_partition.*{match}|{match}.*pp_layer_partition"):
+        stage_spans(5, 2, partition)
