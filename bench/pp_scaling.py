@@ -124,6 +124,9 @@ def main() -> None:
     p.add_argument("--tag", default="")
     p.add_argument("--inflight", type=int, nargs="+", default=[0],
                    help="max_inflight_steps values to run at PP>1 (0: the default)")
+    p.add_argument("--ceiling-pp", type=int, nargs="+", default=None,
+                   help="PP sizes whose micro-batch share the PP=1 engine also runs, for the "
+                        "fixed-batch ceiling (default: the --pp sizes); e.g. 4 on a 2-GPU machine")
     p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"],
                    help="run the model's first N layers (16 at PP=2: the stage of PP=4 on 32)")
     p.add_argument("--trace-dir", default=None, help="write a pipeline trace per run there")
@@ -164,7 +167,8 @@ def main() -> None:
             # tuned, graphs replayed once) before anything is timed.
             llm.generate(reqs, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
             # PP=1 also runs each micro-batch's share of the requests alone: the ceiling.
-            shares = [args.requests] + ([args.requests // n for n in args.pp if n > 1]
+            shares = [args.requests] + ([args.requests // n for n in (args.ceiling_pp or args.pp)
+                                         if n > 1]
                                         if pp == 1 and mode == "async" else [])
             for out_len, num in [(L, n) for L in args.output_len for n in shares]:
                 sp = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
@@ -210,6 +214,11 @@ def main() -> None:
                 ceiling = share / base
                 result[f"pp{r['pp']}_out{r['output_len']}_fixed_batch_ceiling"] = round(ceiling, 3)
                 result[key + "_of_ceiling"] = round(eff / ceiling, 3)
+    for n in args.ceiling_pp or []:  # PP sizes that were not run here: their ceiling alone
+        for out_len in args.output_len:
+            base, share = pp1.get((out_len, args.requests)), pp1.get((out_len, args.requests // n))
+            if n > 1 and base and share:
+                result[f"pp{n}_out{out_len}_fixed_batch_ceiling"] = round(share / base, 3)
     sync = {(r["pp"], r["output_len"], r["partition"]): r["output_tok_s"] for r in rows
             if not r["async"] and r["requests"] == args.requests}
     for r in rows:
