@@ -233,7 +233,7 @@ def main() -> None:
     pps = [n for n in (1, 2, 4) if n <= torch.cuda.device_count()]
     small = qwen3_dir(args.root, 5, torch.float32, small=True)
     result = {"gpus": torch.cuda.device_count(), "sync_debug": args.sync_debug, "agreement": []}
-    # the even split at every PP size; then stage boundaries inside layers (layer_span.py)
+    # the default split at every PP size; then stage boundaries inside layers (layer_span.py)
     halves = {2: "2.5,2.5", 4: "1.5,1,1,1.5"}
     parts = [None] * len(pps) + [halves[n] for n in pps if n in halves]
     result["agreement"] += agreement(small, "float32", pps + [n for n in pps if n in halves],

@@ -99,8 +99,9 @@ def first_layers(path: str, layers: int) -> str:
 
 
 def partition_suffix(part: str) -> str:
-    """How a layer partition shows in run names and result keys ("" for the even split)."""
-    return "" if part == "even" else "_partition_" + part.replace(",", "_")
+    """How a layer partition shows in run names and result keys ("" for the default split,
+    'balanced'; results before 0b85b64 ran the even split as their default)."""
+    return "" if part == "balanced" else "_partition_" + part.replace(",", "_")
 
 
 def per_step(after: dict, before: dict, key: str) -> list[float]:
@@ -130,9 +131,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"],
                    help="run the model's first N layers (16 at PP=2: the stage of PP=4 on 32)")
     p.add_argument("--trace-dir", default=None, help="write a pipeline trace per run there")
-    p.add_argument("--partition", nargs="+", default=["even"],
-                   help="PP>1 layer partitions to run side by side: 'even' (the default "
-                        "split) or layers per stage, e.g. 17,15")
+    p.add_argument("--partition", nargs="+", default=["balanced"],
+                   help="PP>1 layer partitions to run side by side: 'balanced' (the default "
+                        "split), 'even', or layers per stage, e.g. 17,15")
     args = p.parse_args()
     import ray
 
@@ -149,7 +150,7 @@ def main() -> None:
     runs = [(pp, m, fb, n, part) for pp in args.pp for m in args.modes
             for fb in (args.feedback if pp > 1 and m == "async" else ["on"])
             for n in (args.inflight if pp > 1 and m == "async" else [0])
-            for part in (args.partition if pp > 1 else ["even"])]
+            for part in (args.partition if pp > 1 else ["balanced"])]
     longest = max(args.output_len)
     for pp, mode, fb, inflight, part in runs:
         blocks = args.requests * ((args.input_len + longest) // 16 + 2)
@@ -160,7 +161,7 @@ def main() -> None:
                  max_model_len=args.input_len + longest + 16,
                  async_scheduling=mode == "async", max_inflight_steps=inflight or None,
                  pp_token_feedback=fb == "on",
-                 pp_layer_partition=None if part == "even" else part,
+                 pp_layer_partition=part,
                  trace_file=os.path.join(args.trace_dir, f"trace_{name}.json")
                  if args.trace_dir else None) as llm:
             # Warm-up: every prefill and decode shape of the workload (kernels compiled and

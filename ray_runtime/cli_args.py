@@ -11,8 +11,9 @@ from ray_runtime.config import SUPPORTED_DTYPES, EngineConfig
 
 HELP = {
     "pipeline_parallel_size": "pipeline stages (one Ray actor each)",
-    "pp_layer_partition": 'decoder layers per stage, halves allowed, e.g. "3,2,2" or "16.5,15.5" '
-                          '(default: an even split)',
+    "pp_layer_partition": 'decoder layers per stage, halves allowed, e.g. "3,2,2" or "16.5,15.5"; '
+                          '"even" (the same number of layers on every stage) or "balanced" (the '
+                          'default: the last stage\'s LM head counted as one layer)',
     "device": "where the stages run",
     "dtype": "weights and activations",
     "block_size": "tokens per KV block",

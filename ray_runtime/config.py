@@ -72,8 +72,8 @@ class SpeculativeConfig:
 class EngineConfig:
     model: str
     pipeline_parallel_size: int = 1
-    # layers per stage, halves allowed (ray_runtime/layer_span.py); None: an even split
-    pp_layer_partition: Optional[tuple[float, ...]] = None
+    # layers per stage, halves allowed, or "even"; None: "balanced" (ray_runtime/layer_span.py)
+    pp_layer_partition: Optional[tuple[float, ...] | str] = None
     device: str = "cpu"
     dtype: str = "float32"
     block_size: int = 16

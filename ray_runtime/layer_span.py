@@ -4,12 +4,22 @@ The unit is half a layer: block 2i is layer i's attention (its input norm, atten
 residual add), block 2i+1 its MLP (post-attention norm, MLP and residual add). Between the
 two blocks the residual stream is one tensor, as it is between layers, so a stage boundary
 may fall inside a layer: "16.5,15.5" gives rank 0 layers 0-15 and layer 16's attention (and
-its KV cache), and the last rank layer 16's MLP onward. The last rank also carries the final
-norm, the LM head and the sampler; half a layer is the finer step that balances them.
+its KV cache), and the last rank layer 16's MLP onward.
+
+The last rank also carries the final norm, the LM head and the sampler. The default split
+("balanced") counts them as HEAD_LAYERS decoder layers and gives every stage the same share of
+the whole, in halves; "even" gives every stage the same number of layers (vLLM's default).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence, Union
+
+# What the last stage's final norm, LM head and sampler cost, in decoder layers. Measured on
+# a Llama-3-8B shape in decode on 2x H200 (docs/benchmarks.md): 16.5/15.5 leaves both stages
+# idle 0.06-0.07, where 16/16 idles rank 0 0.12 and 17/15 the last rank 0.10.
+HEAD_LAYERS = 1
+NAMED = ("balanced", "even")
+Partition = Union[str, tuple]
 
 
 class LayerSpan(NamedTuple):
@@ -53,34 +63,55 @@ def _layers(block: int):
     return block // 2 if block % 2 == 0 else block / 2
 
 
-def parse_partition(value) -> Optional[tuple]:
+def parse_partition(value) -> Optional[Partition]:
     """'3,2,2', '16.5,15.5' or a sequence -> a tuple of layers per stage (int where whole);
-    validated against the model in `stage_spans`."""
+    'balanced' or 'even' as they are; validated against the model in `stage_spans`."""
     if value is None or value == "":
         return None
+    if isinstance(value, str) and value.strip() in NAMED:
+        return value.strip()
     parts = value.split(",") if isinstance(value, str) else list(value)
     out = []
     for x in parts:
         try:
             n = float(x)
         except (TypeError, ValueError):
-            raise ValueError("pp_layer_partition must be comma-separated numbers of layers "
-                             f"(halves allowed, e.g. 16.5,15.5), got {value!r}") from None
+            raise ValueError("pp_layer_partition must be 'balanced', 'even' or comma-separated "
+                             f"numbers of layers (halves allowed, e.g. 16.5,15.5), got {value!r}") from None
         if n * 2 != int(n * 2):
             raise ValueError(f"pp_layer_partition entries must be whole or half layers, got {x!r}")
         out.append(int(n) if n == int(n) else n)
     return tuple(out)
 
 
-def stage_spans(num_layers: int, pp_size: int, partition: Optional[Sequence]) -> list[LayerSpan]:
-    """Each stage's span. The even split puts the extra layers on the earliest stages, since
-    the last stage also carries the LM head and the sampler."""
+def _shares(total: int, parts: int) -> list[int]:
+    """total split into parts as evenly as integers go, the extra ones first."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if r < extra else 0) for r in range(parts)]
+
+
+def balanced_partition(num_layers: int, pp_size: int) -> tuple:
+    """Layers per stage (halves allowed) that give every stage the same share of the decoder
+    layers plus the last stage's HEAD_LAYERS; the extra halves go to the earliest stages, and
+    the last stage keeps at least one layer. 32 layers: 16.5,15.5 at PP=2; 8.5,8.5,8,7 at 4."""
+    if pp_size == 1:
+        return (num_layers,)
+    head = 2 * HEAD_LAYERS
+    last = max(2, _shares(2 * num_layers + head, pp_size)[-1] - head)
+    halves = _shares(2 * num_layers - last, pp_size - 1) + [last]
+    return tuple(h // 2 if h % 2 == 0 else h / 2 for h in halves)
+
+
+def stage_spans(num_layers: int, pp_size: int, partition: Optional[Partition]) -> list[LayerSpan]:
+    """Each stage's span: by `balanced_partition` (the default, None), the even split of
+    whole layers ('even': the extra layers on the earliest stages), or layers per stage."""
     if pp_size > num_layers:
         raise ValueError(f"pipeline_parallel_size ({pp_size}) exceeds the model's "
                          f"num_hidden_layers ({num_layers})")
-    if partition is None:
-        base, extra = divmod(num_layers, pp_size)
-        partition = tuple(base + (1 if r < extra else 0) for r in range(pp_size))
+    if partition is None or partition == "balanced":
+        partition = balanced_partition(num_layers, pp_size)
+    elif partition == "even":
+        partition = tuple(_shares(num_layers, pp_size))
     if len(partition) != pp_size:
         raise ValueError(f"pp_layer_partition has {len(partition)} entries but "
                          f"pipeline_parallel_size is {pp_size}")

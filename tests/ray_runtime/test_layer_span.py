@@ -3,11 +3,13 @@ tile the model exactly once, each block on one stage; bad partitions are refused
 field."""
 import pytest
 
-from ray_runtime.layer_span import LayerSpan, parse_partition, stage_spans
+from ray_runtime.layer_span import (HEAD_LAYERS, LayerSpan, balanced_partition, parse_partition,
+                                    stage_spans)
 
 
 @pytest.mark.parametrize("num_layers,pp,partition", [
-    (5, 2, None), (5, 3, None), (7, 4, None), (32, 2, (16.5, 15.5)), (32, 4, (8.5, 8, 8, 7.5)),
+    (5, 2, None), (5, 3, None), (7, 4, None), (5, 4, None), (7, 3, None), (32, 4, None),
+    (7, 3, "even"), (4, 4, None), (32, 2, (16.5, 15.5)), (32, 4, (8.5, 8, 8, 7.5)),
     (5, 3, (1.5, 2, 1.5)), (7, 3, (1, 4, 2)), (4, 2, (1, 3))])
 def test_spans_tile_every_block_once(num_layers, pp, partition):
     spans = stage_spans(num_layers, pp, partition)
@@ -21,13 +23,39 @@ def test_spans_tile_every_block_once(num_layers, pp, partition):
     for s in spans:  # every stage runs at least one attention (it holds a KV cache)
         assert len(s.attention_layers) >= 1
         assert set(s.layers) == {i for i in range(num_layers) if s.has_attention(i) or s.has_mlp(i)}
-    if partition is not None:
+    if isinstance(partition, tuple):
         assert [(s.end - s.start) / 2 for s in spans] == list(partition)
 
 
 def test_even_split_puts_extra_layers_first():
-    assert stage_spans(7, 3, None) == [LayerSpan.of_layers(0, 3), LayerSpan.of_layers(3, 5),
-                                       LayerSpan.of_layers(5, 7)]
+    assert stage_spans(7, 3, "even") == [LayerSpan.of_layers(0, 3), LayerSpan.of_layers(3, 5),
+                                         LayerSpan.of_layers(5, 7)]
+
+
+def test_balanced_split_counts_the_head():
+    assert balanced_partition(32, 2) == (16.5, 15.5)
+    assert balanced_partition(32, 4) == (8.5, 8.5, 8, 7)
+    assert balanced_partition(5, 2) == (3, 2) and balanced_partition(7, 4) == (2, 2, 2, 1)
+    assert stage_spans(32, 2, None) == stage_spans(32, 2, "balanced") == \
+        stage_spans(32, 2, (16.5, 15.5))
+
+
+def _max_cost(partition) -> float:
+    """The busiest stage's work in layers, the last stage's head counted as HEAD_LAYERS."""
+    return max(list(partition[:-1]) + [partition[-1] + HEAD_LAYERS])
+
+
+@pytest.mark.parametrize("num_layers", range(1, 41))
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
+def test_balanced_is_never_worse_than_even_and_within_half_a_layer_of_ideal(num_layers, pp):
+    if pp > num_layers:
+        return
+    bal = balanced_partition(num_layers, pp)
+    even = [(s.end - s.start) / 2 for s in stage_spans(num_layers, pp, "even")]
+    assert sum(bal) == num_layers and min(bal) >= 1
+    assert _max_cost(bal) <= _max_cost(even)
+    ideal = (num_layers + HEAD_LAYERS) / pp
+    assert _max_cost(bal) <= max(ideal + 0.5, 1 + HEAD_LAYERS), bal
 
 
 def test_labels_and_bounds():
@@ -42,9 +70,10 @@ def test_parse_partition():
     assert parse_partition("16.5,15.5") == (16.5, 15.5)
     assert parse_partition("3,2,2") == (3, 2, 2) and all(type(x) is int for x in parse_partition("3,2"))
     assert parse_partition([2, 2.0]) == (2, 2) and parse_partition(None) is None
+    assert parse_partition("even") == "even" and parse_partition(" balanced") == "balanced"
     with pytest.raises(ValueError, match="pp_layer_partition.*whole or half"):
         parse_partition("16.25,15.75")
-    with pytest.raises(ValueError, match="pp_layer_partition must be comma-separated numbers"):
+    with pytest.raises(ValueError, match="pp_layer_partition must be 'balanced', 'even' or"):
         parse_partition("a,b")
 
 

@@ -22,7 +22,7 @@ def _stages(model_dir, pp, partition=None):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_each_stage_holds_only_its_layers(tiny_model, arch):
     model_dir = tiny_model(arch)
-    spec, ranges, stages = _stages(model_dir, 3)
+    spec, ranges, stages = _stages(model_dir, 3, "even")  # whole layers (halves: below)
     with safe_open(f"{model_dir}/model.safetensors", framework="pt") as f:
         for rank, (stage, span) in enumerate(zip(stages, ranges)):
             start, end = span.layers.start, span.layers.stop
