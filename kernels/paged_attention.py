@@ -153,6 +153,9 @@ def decode_layout_arrays(seq_lens, query_start_loc) -> tuple[np.ndarray, np.ndar
     ctx = np.asarray(seq_lens, np.int64)
     qsl = np.asarray(query_start_loc, np.int64)
     n = np.diff(qsl)
+    if len(n) and (n == 1).all():  # a decode step: token i is request i's one row
+        each = np.arange(len(n))
+        return each, each, ctx, [], True
     short = n <= SHORT_CHUNK
     req = np.repeat(np.arange(len(n)), n)  # each token's request
     position = np.arange(qsl[-1]) - qsl[:-1][req] + (ctx - n)[req]

@@ -108,6 +108,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         return self.temperature < SAMPLING_EPS
 
     @property
+    def needs_host_sample(self) -> bool:
+        """Whether a step's sample for this request must reach the host at once: for its
+        logprobs, or for the token history its penalties read (stages/last_rank.py)."""
+        return self.logprobs is not None or self.uses_penalties
+
+    @property
     def uses_penalties(self) -> bool:
         """Whether any penalty changes the logits (the sampler then needs the token history)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or \

@@ -41,7 +41,8 @@ class InputBatch:
     _ROW_SCALARS = ("num_tokens_known", "num_prompt_tokens", "num_computed_tokens",
                     "num_blocks", "incarnation", "last_sampled_token", "num_conflicts",
                     "num_draft_tokens", "num_unresolved_drafts", "num_draft_computed",
-                    "num_pending_samples", "hash_len", "hash_val", "num_digests")
+                    "num_pending_samples", "hash_len", "hash_val", "num_digests",
+                    "greedy", "needs_host_sample")
 
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
         self.max_num_seqs = max_num_seqs
@@ -57,6 +58,10 @@ class InputBatch:
         self.block_table = np.zeros((max_num_seqs, max_blocks), np.int32)
         # Rows written since the device mirror last took them (stages/device_state.py).
         self.table_dirty = np.zeros(max_num_seqs, bool)
+        # Each row's SamplingParams.is_greedy and .needs_host_sample, set at admission: the
+        # last rank decides a step's sampling path from these, not from a loop over params.
+        self.greedy = np.zeros(max_num_seqs, bool)
+        self.needs_host_sample = np.zeros(max_num_seqs, bool)
         self.num_blocks = np.zeros(max_num_seqs, np.int64)
         self.incarnation = np.zeros(max_num_seqs, np.int64)  # the driver's admission counter
         self.last_sampled_token = np.full(max_num_seqs, POISON, np.int64)
@@ -174,11 +179,20 @@ class InputBatch:
         self.num_conflicts[r] += self.num_computed_tokens[r] != theirs
         self.num_computed_tokens[r] = theirs
         if cached.block_entries:  # the fast entries' new blocks (the others took theirs above)
-            o = 0
-            for e, nb in zip(cached.block_entries, cached.num_new_blocks):
-                if fast[e]:
-                    self._append_blocks(int(slots[e]), cached.new_block_ids[o:o + nb])
-                o += nb
+            entries = np.asarray(cached.block_entries, np.int64)
+            if len(cached.new_block_ids) == len(entries):  # one each (decode): one scatter
+                take = entries[fast[entries]]
+                s = slots[take]
+                nb = self.num_blocks[s]
+                self.block_table[s, nb] = np.asarray(cached.new_block_ids, np.int64)[fast[entries]]
+                self.table_dirty[s] = True
+                self.num_blocks[s] = nb + 1
+            else:
+                o = 0
+                for e, nb in zip(cached.block_entries, cached.num_new_blocks):
+                    if fast[e]:
+                        self._append_blocks(int(slots[e]), cached.new_block_ids[o:o + nb])
+                    o += nb
 
     # ---- rows ----------------------------------------------------------------------------
     @property
@@ -215,6 +229,8 @@ class InputBatch:
         self.hash_val[row] = 0
         self.num_digests[row] = 0
         self.sampling[row] = new.sampling
+        self.greedy[row] = new.sampling.is_greedy
+        self.needs_host_sample[row] = new.sampling.needs_host_sample
         self.generation[row] += 1
         return row
 
@@ -397,10 +413,11 @@ class InputBatch:
         that) when `full`, and at every full_every-th digest of that request (0: never)."""
         req_ids, rows, lengths = view.req_ids, view.slots, view.digest_len
         have = self.hash_len[rows]
-        fwd = spans_hash_delta(self.token_ids, rows, np.minimum(have, lengths), lengths)
-        back = spans_hash_delta(self.token_ids, rows, np.minimum(have, lengths), have)
+        lo = np.minimum(have, lengths)
         with np.errstate(over="ignore"):
-            known_hash = self.hash_val[rows] + fwd - back
+            known_hash = self.hash_val[rows] + spans_hash_delta(self.token_ids, rows, lo, lengths)
+            if (have > lengths).any():  # a row whose hash ran past the prefix: take it back
+                known_hash -= spans_hash_delta(self.token_ids, rows, lo, have)
         self.num_digests[rows] += 1
         recompute = np.ones(len(rows), bool) if full else \
             (self.num_digests[rows] % full_every == 0 if full_every else np.zeros(len(rows), bool))
@@ -409,9 +426,10 @@ class InputBatch:
         self.hash_val[rows] = known_hash
         self.hash_len[rows] = lengths
         drafts = self.num_draft_tokens[rows]
-        # Drafts follow the known prefix, so one hash over both covers them.
-        with np.errstate(over="ignore"):
-            hashes = known_hash + spans_hash_delta(self.token_ids, rows, lengths, lengths + drafts)
+        hashes = known_hash
+        if drafts.any():  # drafts follow the known prefix, so one hash over both covers them
+            with np.errstate(over="ignore"):
+                hashes = known_hash + spans_hash_delta(self.token_ids, rows, lengths, lengths + drafts)
         return RowDigests(
             list(req_ids), self.incarnation[rows].tolist(), self.num_tokens_known[rows].tolist(),
             lengths.tolist(), self.num_computed_tokens[rows].tolist(), hashes.tolist(),
@@ -485,3 +503,6 @@ class InputBatch:
             assert int(self.num_blocks[row]) * self.block_size >= computed, \
                 f"{where}: computed tokens without KV blocks"
             assert self.sampling[row] is not None
+            assert self.greedy[row] == self.sampling[row].is_greedy and \
+                self.needs_host_sample[row] == self.sampling[row].needs_host_sample, \
+                f"{where}: sampling flags disagree with its SamplingParams"

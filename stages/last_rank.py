@@ -43,9 +43,8 @@ class LastRank:
                     step: LaunchedStep) -> None:
         """Sample the step's requests: on the device (deferred) when nothing on the host
         needs the tokens now; otherwise at once, folded into the batch, with next drafts."""
-        params = [self.batch.sampling[r] for r in inputs.sample_slots.tolist()]
-        if self._can_defer(params):
-            self._sample_deferred(hidden, inputs, params, step)
+        if self._can_defer(inputs.sample_slots):
+            self._sample_deferred(hidden, inputs, step)
             return
         # The host needs these tokens now (drafts to verify and propose, the history that
         # penalties read, logprobs): the one place a step waits for its device on purpose
@@ -59,22 +58,28 @@ class LastRank:
                 out.draft_token_ids = self._propose(out.req_ids)
         step.sampler_output = out
 
-    def _can_defer(self, params: list[SamplingParams]) -> bool:
-        """Whether the step's samples (params: each sampled request's) may stay on the device
-        until finish: not when drafts are verified or proposed (host logic on the tokens),
-        nor for logprobs, nor for penalties (they read the token history, which a deferred
-        sample would leave one token short on the host)."""
-        if self.spec_config is not None or not params:
+    def _can_defer(self, slots: np.ndarray) -> bool:
+        """Whether the step's samples (slots: the sampled rows) may stay on the device until
+        finish: not when drafts are verified or proposed (host logic on the tokens), nor for
+        logprobs, nor for penalties (they read the token history, which a deferred sample
+        would leave one token short on the host): SamplingParams.needs_host_sample."""
+        if self.spec_config is not None or not len(slots):
             return False
-        return not any(sp.logprobs is not None or sp.uses_penalties for sp in params)
+        return not self.batch.needs_host_sample[slots].any()
 
     def _sample_deferred(self, hidden: torch.Tensor, inputs: StepInputs,
-                         params: list[SamplingParams], step: LaunchedStep) -> None:
+                         step: LaunchedStep) -> None:
         b = self.batch
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.device.sample_token_index),
-                                           upcast=Sampler.needs_float32(params))
-        tokens = self.sampler.sample(logits, params, inputs.sample_output_index)
         slots = inputs.sample_slots
+        greedy = bool(b.greedy[slots].all())
+        rows = hidden if inputs.samples_every_token else \
+            hidden.index_select(0, inputs.device.sample_token_index)
+        logits = self.model.compute_logits(rows, upcast=not greedy)
+        if greedy:  # no SamplingParams read: an argmax in the model's dtype
+            tokens = self.sampler.greedy(logits)
+        else:
+            params = [b.sampling[r] for r in slots.tolist()]
+            tokens = self.sampler.sample(logits, params, inputs.sample_output_index)
         self.last_sampled[inputs.device.sample_slots] = tokens
         n = len(slots)
         if self.device == "cuda":

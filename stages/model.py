@@ -38,6 +38,8 @@ def token_layout(rows: np.ndarray, starts: np.ndarray, num_new: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Row r runs num_new[r] tokens from position starts[r]: query_start_loc, and per token
     its row and position."""
+    if len(num_new) and (num_new == 1).all():  # a decode step: one token per row
+        return np.arange(len(rows) + 1), rows, starts
     query_start_loc = np.concatenate([[0], np.cumsum(num_new)])
     total = int(query_start_loc[-1])
     token_row = np.repeat(rows, num_new)

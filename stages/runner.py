@@ -402,14 +402,18 @@ class StageRunner:
             b.block_table, rows, starts, num_new, self.config.block_size, self.device,
             to_device=self.staging, layout=layout, device_table=self.device_table,
             extras=[token_ids, patch_index, patch_slot, sample_token_index, sample_slots])
-        return StepInputs(rows=rows, meta=meta, num_new=num_new,
-                          num_tokens=len(positions),
-                          sample_req_ids=[view.req_ids[i] for i in sample],
-                          sample_slots=sample_slots,
-                          sample_token_index=sample_token_index.tolist(),
-                          sample_output_index=(base[sample] - b.num_prompt_tokens[sample_slots]).tolist(),
-                          sample_num_drafts=num_verified[sample].tolist(),
-                          patch_index=patch_index, patch_slot=patch_slot, device=DeviceInputs(*moved))
+        req_ids = token_index = output_index = num_drafts = None  # read by the sampler alone
+        if self.is_last:
+            req_ids = view.req_ids if len(sample) == len(rows) else [view.req_ids[i] for i in sample]
+            token_index = sample_token_index.tolist()
+            output_index = (base[sample] - b.num_prompt_tokens[sample_slots]).tolist()
+            num_drafts = num_verified[sample].tolist()
+        return StepInputs(rows=rows, meta=meta, num_new=num_new, num_tokens=len(positions),
+                          sample_req_ids=req_ids, sample_slots=sample_slots,
+                          sample_token_index=token_index, sample_output_index=output_index,
+                          sample_num_drafts=num_drafts, patch_index=patch_index,
+                          patch_slot=patch_slot, device=DeviceInputs(*moved),
+                          samples_every_token=len(sample) == len(positions))
 
     def check(self) -> None:
         self.batch.check()

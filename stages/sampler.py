@@ -110,17 +110,17 @@ class Sampler:
         self.unseeded.seed()
 
     @staticmethod
-    def needs_float32(params: list[SamplingParams]) -> bool:
-        """Whether sample() needs float32 logits for these rows: an all-greedy batch is an
-        argmax, which the model's dtype gives exactly (bf16 -> float32 keeps every order)."""
-        return not all(sp.is_greedy for sp in params)
+    def greedy(logits: torch.Tensor) -> torch.Tensor:
+        """Every row's argmax: an all-greedy batch needs nothing else, and takes it on the
+        model's dtype exactly (bf16 -> float32 keeps every order, ties included)."""
+        return torch.argmax(logits, dim=-1)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                output_indices: list[int]) -> torch.Tensor:
         """The sampled ids as a device tensor [num_reqs], without waiting for the device:
         the caller copies them to the host when it needs them (asynchronously). logits:
-        float32, or the model's dtype where needs_float32(params) is False."""
-        tokens = torch.argmax(logits, dim=-1)  # greedy rows keep this
+        float32 (an all-greedy batch may call greedy() on the model's dtype instead)."""
+        tokens = self.greedy(logits)  # greedy rows keep this
         drawn = [i for i, sp in enumerate(params) if not sp.is_greedy]
         if drawn:
             index, values = self._draw(logits, params, output_indices, drawn)

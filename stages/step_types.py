@@ -17,6 +17,7 @@ class StepInputs:
     rows: np.ndarray  # the batch row of each scheduled request
     num_new: np.ndarray  # tokens each scheduled request runs (the plan's, or fewer if self-drafted)
     meta: AttentionMetadata
+    # The sampled requests' host lists, built on the last rank only (None elsewhere):
     sample_req_ids: list[str]  # requests whose known prefix this step completes
     sample_token_index: list[int]  # their last token's index in the step's layout
     sample_output_index: list[int]  # index of the output token each will sample (0 = first)
@@ -28,6 +29,9 @@ class StepInputs:
     patch_slot: np.ndarray
     num_tokens: int
     device: "DeviceInputs"
+    # every token is a sampled request's last one (a decode step): the hidden states are the
+    # sampler's rows as they are, with no index_select
+    samples_every_token: bool = False
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from ray_runtime.messages import NewRequestData, RowDigests
@@ -30,7 +31,8 @@ class _Model:
         return logits.float() if upcast else logits
 
 
-def _step(params: list[SamplingParams]) -> tuple[LastRank, _Model, LaunchedStep, np.ndarray]:
+def _step(params: list[SamplingParams], every_token: bool = False
+          ) -> tuple[LastRank, _Model, LaunchedStep, np.ndarray]:
     config = SimpleNamespace(device="cpu", speculative_config=None, max_num_seqs=4, inflight_steps=2)
     batch = InputBatch(4, 64, 16)
     for i, sp in enumerate(params):
@@ -43,7 +45,7 @@ def _step(params: list[SamplingParams]) -> tuple[LastRank, _Model, LaunchedStep,
     n = len(params)
     inputs = SimpleNamespace(sample_slots=slots, sample_req_ids=[f"r{i}" for i in range(n)],
                              sample_output_index=[0] * n, sample_token_index=list(range(n)),
-                             sample_num_drafts=[0] * n,
+                             sample_num_drafts=[0] * n, samples_every_token=every_token,
                              device=SimpleNamespace(sample_token_index=torch.arange(n),
                                                     sample_slots=torch.from_numpy(slots)))
     step = LaunchedStep(step_id=1, start=0.0, recv_done=0.0, digests=RowDigests(), digest_s=0.0, gpu_start=None)
@@ -51,8 +53,9 @@ def _step(params: list[SamplingParams]) -> tuple[LastRank, _Model, LaunchedStep,
     return rank, model, step, slots
 
 
-def test_all_greedy_step_takes_logits_in_the_model_dtype():
-    rank, model, step, slots = _step([SamplingParams(temperature=0.0)] * 3)
+@pytest.mark.parametrize("every_token", [False, True])  # True: no index_select of the rows
+def test_all_greedy_step_takes_logits_in_the_model_dtype(every_token):
+    rank, model, step, slots = _step([SamplingParams(temperature=0.0)] * 3, every_token)
     assert model.upcasts == [False]
     assert step.deferred is not None
     assert step.deferred.on_device.tolist() == [7, 8, 9]

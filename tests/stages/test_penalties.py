@@ -80,21 +80,30 @@ def test_only_penalized_steps_leave_the_device_path():
     deferred path): requests without penalties pay nothing for the feature."""
     from types import SimpleNamespace
 
+    import numpy as np
+
     from stages.last_rank import LastRank
 
-    rank = SimpleNamespace(spec_config=None)
-    plain = [SamplingParams(), SamplingParams(temperature=0.0, top_k=3)]
-    assert LastRank._can_defer(rank, plain)
-    assert not LastRank._can_defer(rank, plain + [SamplingParams(repetition_penalty=1.1)])
-    assert not LastRank._can_defer(rank, plain + [SamplingParams(frequency_penalty=-0.1)])
+    params = [SamplingParams(), SamplingParams(temperature=0.0, top_k=3),
+              SamplingParams(repetition_penalty=1.1), SamplingParams(frequency_penalty=-0.1),
+              SamplingParams(temperature=0.0, logprobs=2)]
+    b = _batch_with([(f"r{i}", [3, 4], [], [], sp) for i, sp in enumerate(params)], 8)
+    b.check()  # the per-row flags agree with each row's SamplingParams
+    slot = [b.req_id_to_slot[f"r{i}"] for i in range(len(params))]
+    rank = SimpleNamespace(spec_config=None, batch=b)
+    assert LastRank._can_defer(rank, np.array(slot[:2]))
+    for other in slot[2:]:
+        assert not LastRank._can_defer(rank, np.array(slot[:2] + [other]))
+    assert not LastRank._can_defer(rank, np.array([], np.int64))
+    assert not LastRank._can_defer(SimpleNamespace(spec_config=object(), batch=b), np.array(slot[:2]))
 
 
-def _batch_with(requests):
+def _batch_with(requests, max_num_seqs=4):
     """An InputBatch holding (req_id, prompt, output, drafts, params) rows."""
     from ray_runtime.messages import NewRequestData
     from stages.input_batch import InputBatch
 
-    b = InputBatch(max_num_seqs=4, max_model_len=32, block_size=4)
+    b = InputBatch(max_num_seqs=max_num_seqs, max_model_len=32, block_size=4)
     for req_id, prompt, output, drafts, sp in requests:
         b.add(NewRequestData(req_id=req_id, incarnation=0, token_ids=prompt + output,
                              num_prompt_tokens=len(prompt), num_computed_tokens=0,

@@ -442,17 +442,19 @@ def test_greedy_batch_in_bf16_equals_float32_argmax_ties_included(sampler):
     logits[::3, 7] = logits[::3].max(dim=-1).values  # exact ties with an earlier or later max
     logits[1::3, 250] = logits[1::3].max(dim=-1).values
     params = [SamplingParams(temperature=0.0)] * 64
-    assert not Sampler.needs_float32(params)
-    ours = sampler.sample(logits, params, [0] * 64)
+    ours = sampler.greedy(logits)
     assert ours.tolist() == torch.argmax(logits.float(), dim=-1).tolist()
+    assert sampler.sample(logits.float(), params, [0] * 64).tolist() == ours.tolist()
 
 
-def test_any_sampled_row_needs_float32_logits():
-    greedy = SamplingParams(temperature=0.0)
-    assert Sampler.needs_float32([greedy, SamplingParams(temperature=0.7)])
-    assert Sampler.needs_float32([SamplingParams()])  # the default temperature is 1.0
-    assert Sampler.needs_float32([greedy, SamplingParams(temperature=0.5, seed=3)])
-    assert not Sampler.needs_float32([greedy, SamplingParams(temperature=0.0, top_k=5)])
+def test_which_rows_are_greedy():
+    """A row takes the bf16 argmax path only if its params are greedy (the last rank reads
+    InputBatch.greedy, set from SamplingParams.is_greedy)."""
+    assert SamplingParams(temperature=0.0).is_greedy
+    assert SamplingParams(temperature=0.0, top_k=5).is_greedy
+    assert not SamplingParams().is_greedy  # the default temperature is 1.0
+    assert not SamplingParams(temperature=0.7).is_greedy
+    assert not SamplingParams(temperature=0.5, seed=3).is_greedy
 
 
 def test_token_logprobs_for_many_rows_at_once_equal_row_by_row():
