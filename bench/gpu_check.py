@@ -79,7 +79,7 @@ def agreement(model_dir, dtype_name, pp_sizes, n_req, n_tok, rng, partitions=Non
         rows.append({"dtype": dtype_name, "pp": pp, "partition": part, "requests": n_req, "tokens": n_tok,
                      "exact": exact, "agreement_rate": exact / n_req, "bookkeeping_mismatches": mism,
                      "first_divergence_positions": sorted(first_div)})
-        print(f"agreement {dtype_name} PP={pp} partition {part or 'even'}: {exact}/{n_req} exact; first divergences {sorted(first_div)[:20]}",
+        print(f"agreement {dtype_name} PP={pp} partition {part or 'default'}: {exact}/{n_req} exact; first divergences {sorted(first_div)[:20]}",
               flush=True)
     return rows
 
