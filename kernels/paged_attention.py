@@ -154,7 +154,7 @@ def decode_layout_arrays(seq_lens, query_start_loc) -> tuple[np.ndarray, np.ndar
     qsl = np.asarray(query_start_loc, np.int64)
     n = np.diff(qsl)
     if len(n) and (n == 1).all():  # a decode step: token i is request i's one row
-        each = np.arange(len(n))
+        each = np.arange(len(n))  # returned twice and ctx itself: read-only downstream
         return each, each, ctx, [], True
     short = n <= SHORT_CHUNK
     req = np.repeat(np.arange(len(n)), n)  # each token's request

@@ -12,7 +12,8 @@ the whole, in halves; "even" gives every stage the same number of layers (vLLM's
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence, Union
+import math
+from typing import NamedTuple, Optional, Union
 
 # What the last stage's final norm, LM head and sampler cost, in decoder layers. Measured on
 # a Llama-3-8B shape in decode on 2x H200 (docs/benchmarks.md): 16.5/15.5 leaves both stages
@@ -66,22 +67,30 @@ def _layers(block: int):
 def parse_partition(value) -> Optional[Partition]:
     """'3,2,2', '16.5,15.5' or a sequence -> a tuple of layers per stage (int where whole);
     'balanced' or 'even' as they are; validated against the model in `stage_spans`."""
-    if value is None or value == "":
+    if value is None or (isinstance(value, str) and not value.strip()):
         return None
-    if isinstance(value, str) and value.strip() in NAMED:
-        return value.strip()
-    parts = value.split(",") if isinstance(value, str) else list(value)
-    out = []
-    for x in parts:
-        try:
-            n = float(x)
-        except (TypeError, ValueError):
-            raise ValueError("pp_layer_partition must be 'balanced', 'even' or comma-separated "
-                             f"numbers of layers (halves allowed, e.g. 16.5,15.5), got {value!r}") from None
-        if n * 2 != int(n * 2):
-            raise ValueError(f"pp_layer_partition entries must be whole or half layers, got {x!r}")
-        out.append(int(n) if n == int(n) else n)
-    return tuple(out)
+    if isinstance(value, str) and value.strip().lower() in NAMED:
+        return value.strip().lower()
+    bad = ValueError("pp_layer_partition must be 'balanced', 'even' or comma-separated numbers "
+                     f"of layers (halves allowed, e.g. 16.5,15.5), got {value!r}")
+    try:
+        parts = value.split(",") if isinstance(value, str) else list(value)
+    except TypeError:
+        raise bad from None
+    return tuple(_entry(x, bad) for x in parts)
+
+
+def _entry(x, bad: ValueError):
+    """One stage's layers: a finite whole or half number (int where whole)."""
+    if isinstance(x, bool):
+        raise bad
+    try:
+        n = float(x)
+    except (TypeError, ValueError):
+        raise bad from None
+    if not math.isfinite(n) or n * 2 != int(n * 2):
+        raise ValueError(f"pp_layer_partition entries must be whole or half layers, got {x!r}")
+    return int(n) if n == int(n) else n
 
 
 def _shares(total: int, parts: int) -> list[int]:
@@ -108,10 +117,12 @@ def stage_spans(num_layers: int, pp_size: int, partition: Optional[Partition]) -
     if pp_size > num_layers:
         raise ValueError(f"pipeline_parallel_size ({pp_size}) exceeds the model's "
                          f"num_hidden_layers ({num_layers})")
-    if partition is None or partition == "balanced":
+    if partition is None or (isinstance(partition, str) and partition.strip().lower() == "balanced"):
         partition = balanced_partition(num_layers, pp_size)
-    elif partition == "even":
+    elif isinstance(partition, str) and partition.strip().lower() == "even":
         partition = tuple(_shares(num_layers, pp_size))
+    else:  # checked here too: an EngineConfig built directly skips parse_partition
+        partition = parse_partition(partition)
     if len(partition) != pp_size:
         raise ValueError(f"pp_layer_partition has {len(partition)} entries but "
                          f"pipeline_parallel_size is {pp_size}")

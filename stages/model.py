@@ -39,6 +39,7 @@ def token_layout(rows: np.ndarray, starts: np.ndarray, num_new: np.ndarray
     """Row r runs num_new[r] tokens from position starts[r]: query_start_loc, and per token
     its row and position."""
     if len(num_new) and (num_new == 1).all():  # a decode step: one token per row
+        # rows and starts themselves (read-only downstream: every user indexes or copies)
         return np.arange(len(rows) + 1), rows, starts
     query_start_loc = np.concatenate([[0], np.cumsum(num_new)])
     total = int(query_start_loc[-1])
@@ -259,6 +260,7 @@ class StageModel(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size) if is_first else None
         self.layers = nn.ModuleList(DecoderLayer(spec, span.has_attention(i), span.has_mlp(i))
                                     for i in span.layers)
+        self.num_attention_layers = len(span.attention_layers)
         self.rotary = Rotary(spec)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if is_last else None
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if is_last else None
@@ -271,6 +273,9 @@ class StageModel(nn.Module):
             x = self.embed_tokens(x)
         cos, sin = self.rotary(meta.positions, x.dtype)
         residual = None
+        if len(kv_caches) != self.num_attention_layers:
+            raise ValueError(f"stage {self.span.label()}: {len(kv_caches)} KV caches for "
+                             f"{self.num_attention_layers} attention layers")
         caches = iter(kv_caches)
         for layer in self.layers:
             kv = next(caches) if layer.self_attn is not None else None

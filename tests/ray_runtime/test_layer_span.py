@@ -82,3 +82,18 @@ def test_parse_partition():
 def test_bad_partitions_name_the_field(partition, match):
     with pytest.raises(ValueError, match=f"pp_layer_partition.*{match}|{match}.*pp_layer_partition"):
         stage_spans(5, 2, partition)
+
+
+@pytest.mark.parametrize("value", ["inf,1", "nan,4", (True, 4), (2.25, 2.75), "2,x"])
+def test_non_numbers_and_quarter_layers_are_refused_even_unparsed(value):
+    """stage_spans checks what an EngineConfig built directly (without parse_partition) holds:
+    a quarter layer would otherwise leave a block on no stage."""
+    with pytest.raises(ValueError, match="pp_layer_partition"):
+        stage_spans(5, 2, value)
+
+
+def test_names_and_arrays():
+    import numpy as np
+
+    assert stage_spans(5, 2, "EVEN") == stage_spans(5, 2, "even") == stage_spans(5, 2, np.array([3, 2]))
+    assert stage_spans(5, 2, "2.5, 2.5") == [LayerSpan(0, 5), LayerSpan(5, 10)]

@@ -112,3 +112,15 @@ def test_fused_projections_compute_the_same_layer(tiny_model, arch):
         layer.mlp.fuse()
     assert stage.layers[0].self_attn.qkv_proj is not None and not hasattr(stage.layers[0].self_attn, "q_proj")
     torch.testing.assert_close(logits(), before, rtol=1e-5, atol=1e-5)
+
+
+def test_a_stage_refuses_kv_caches_that_do_not_match_its_attention_layers(tiny_model):
+    spec, spans, stages = _stages(tiny_model("llama"), 2, (2.5, 2.5))
+    assert [len(s.attention_layers) for s in spans] == [3, 2]
+    meta = AttentionMetadata(positions=torch.arange(4), slot_mapping=torch.arange(4),
+                             block_tables=torch.arange(1).unsqueeze(0), seq_lens=[4],
+                             query_start_loc=[0, 4])
+    for n in (2, 4):  # one per layer touched (3 on rank 0 too) would be wrong either way
+        kv = allocate_kv_cache(spec, n, 1, 4, torch.float32, "cpu")
+        with pytest.raises(ValueError, match="KV caches for 3 attention layers"):
+            stages[0](torch.arange(3, 7), meta, kv)
