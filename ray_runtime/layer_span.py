@@ -108,7 +108,7 @@ def balanced_partition(num_layers: int, pp_size: int) -> tuple:
     head = 2 * HEAD_LAYERS
     last = max(2, _shares(2 * num_layers + head, pp_size)[-1] - head)
     halves = _shares(2 * num_layers - last, pp_size - 1) + [last]
-    return tuple(h // 2 if h % 2 == 0 else h / 2 for h in halves)
+    return tuple(_layers(h) for h in halves)
 
 
 def stage_spans(num_layers: int, pp_size: int, partition: Optional[Partition]) -> list[LayerSpan]:
@@ -117,12 +117,12 @@ def stage_spans(num_layers: int, pp_size: int, partition: Optional[Partition]) -
     if pp_size > num_layers:
         raise ValueError(f"pipeline_parallel_size ({pp_size}) exceeds the model's "
                          f"num_hidden_layers ({num_layers})")
-    if partition is None or (isinstance(partition, str) and partition.strip().lower() == "balanced"):
+    # parsed here too: an EngineConfig built directly skips parse_partition
+    partition = parse_partition(partition)
+    if partition is None or partition == "balanced":
         partition = balanced_partition(num_layers, pp_size)
-    elif isinstance(partition, str) and partition.strip().lower() == "even":
+    elif partition == "even":
         partition = tuple(_shares(num_layers, pp_size))
-    else:  # checked here too: an EngineConfig built directly skips parse_partition
-        partition = parse_partition(partition)
     if len(partition) != pp_size:
         raise ValueError(f"pp_layer_partition has {len(partition)} entries but "
                          f"pipeline_parallel_size is {pp_size}")

@@ -181,10 +181,10 @@ class InputBatch:
         if cached.block_entries:  # the fast entries' new blocks (the others took theirs above)
             entries = np.asarray(cached.block_entries, np.int64)
             if len(cached.new_block_ids) == len(entries):  # one each (decode): one scatter
-                take = entries[fast[entries]]
-                s = slots[take]
+                keep = fast[entries]
+                s = slots[entries[keep]]
                 nb = self.num_blocks[s]
-                self.block_table[s, nb] = np.asarray(cached.new_block_ids, np.int64)[fast[entries]]
+                self.block_table[s, nb] = np.asarray(cached.new_block_ids, np.int64)[keep]
                 self.table_dirty[s] = True
                 self.num_blocks[s] = nb + 1
             else:
