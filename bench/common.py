@@ -90,10 +90,11 @@ def left_padded(prompts: list[list[int]]):
 
 def gpu_ray_env() -> dict:
     """The variables every Ray worker needs on the multi-GPU machines (NVLink multicast off),
-    every NCCL_* setting, and the stage profiler's when set (stages/profiling.py)."""
+    every NCCL_* setting, and the stage profiler's and phase clock's when set (stages/profiling.py)."""
     return {k: v for k, v in os.environ.items() if k.startswith("NCCL_") or k in (
         "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "PYTHONPATH",
-        "RAY_RUNTIME_TORCH_PROFILER_DIR", "RAY_RUNTIME_PROFILE_STEPS", "RAY_RUNTIME_SYNC_DEBUG")}
+        "RAY_RUNTIME_TORCH_PROFILER_DIR", "RAY_RUNTIME_PROFILE_STEPS", "RAY_RUNTIME_SYNC_DEBUG",
+        "RAY_RUNTIME_PHASE_CLOCK")}
 
 
 # ---- the memory-bandwidth roofline (roofline.py, throughput.py, latency.py) -------------------

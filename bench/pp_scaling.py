@@ -16,6 +16,10 @@ pp{N}_out{L}_of_ceiling = efficiency / ceiling is how close the pipeline comes t
   python bench/pp_scaling.py [--requests 256] [--input-len 256] [--output-len 128 512] [--pp 1 2 4]
                              [--feedback on off] [--modes async sync] [--partition even 17,15]
                              [--layers 16] [--trace-dir DIR] [--tag h200x2]
+
+With RAY_RUNTIME_PHASE_CLOCK=1 in the environment each row also has
+stage_phase_ms_per_step: per rank, the host's wall ms per step in each phase of its loop
+(stages/profiling.py; nested phases count inside their parents).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import os
 import random
 import sys
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -108,6 +113,22 @@ def per_step(after: dict, before: dict, key: str) -> list[float]:
     """ms per step of a per-stage seconds counter between two stats() snapshots."""
     return [round(1e3 * (a - z) / max(1, n1 - n0), 3) for a, z, n1, n0 in
             zip(after[key], before[key], after["stage_steps"], before["stage_steps"])]
+
+
+def phase_ms_per_step(after: dict, before: dict) -> Optional[list]:
+    """Per rank, the phase clock's host ms per step of each phase between two stats()
+    snapshots (RAY_RUNTIME_PHASE_CLOCK=1, stages/profiling.py), costliest first; None when
+    the clock is off."""
+    if not any(after.get("stage_phase_s") or []):
+        return None
+    out = []
+    for rank, (a, z) in enumerate(zip(after["stage_phase_s"], before["stage_phase_s"])):
+        steps = max(1, after["stage_steps"][rank] - before["stage_steps"][rank])
+        z = z or {}
+        ms = {k: 1e3 * (v[1] - z.get(k, (0, 0.0))[1]) / steps for k, v in (a or {}).items()}
+        out.append({k: round(v, 3) for k, v in sorted(ms.items(), key=lambda kv: -kv[1])
+                    if v >= 0.0005})
+    return out
 
 
 def main() -> None:
@@ -196,6 +217,9 @@ def main() -> None:
                     "stage_gpu_ms_per_step": per_step(st, b, "stage_gpu_busy_s"),
                     "driver_s": {k: round(st[f"driver_{k}_s"] - b[f"driver_{k}_s"], 3)
                                  for k in ("plan", "wait", "audit")}})
+                phases = phase_ms_per_step(st, b)
+                if phases is not None:
+                    rows[-1]["stage_phase_ms_per_step"] = phases
                 print(rows[-1], flush=True)
     result = {"model": {"shape": "Llama-3-8B", **SHAPE, "num_hidden_layers": args.layers, "dtype": "bfloat16", "weights": "random"},
               "workload": {"requests": args.requests, "input_len": args.input_len,

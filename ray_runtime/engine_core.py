@@ -340,7 +340,9 @@ class EngineCore:
                 "stage_busy_s": list(t.busy_s),
                 "stage_gpu_busy_s": list(self.gpu_busy_s) if self.config.device == "cuda" else None,
                 "stage_idle_s": list(t.idle_s), "stage_idle_fraction": t.idle_fractions(),
-                "stage_launch_s": list(t.launch_s), "stage_steps": list(t.steps)}
+                "stage_launch_s": list(t.launch_s), "stage_steps": list(t.steps),
+                "stage_phase_s": [None if p is None else {k: list(v) for k, v in p.items()}
+                                  for p in t.phases]}
 
     def metric_totals(self) -> dict:
         """The cumulative counts and current gauges that a metrics flush records (the same

@@ -25,6 +25,8 @@ class PipelineTrace:
         # stage is bound by its host.
         self.launch_s = [0.0] * pp_size
         self.steps = [0] * pp_size
+        # the latest phase clock totals per rank (StageTiming.phases), when it runs
+        self.phases: list[Optional[dict]] = [None] * pp_size
         self._first_start: list[Optional[float]] = [None] * pp_size
 
     def _span(self, tid: int, name: str, t0: float, t1: float, args: Optional[dict] = None) -> None:
@@ -57,6 +59,8 @@ class PipelineTrace:
         self.busy_s[rank] += t.end - t.recv_done
         self.launch_s[rank] += t.compute_done - t.start - t.token_wait_s
         self.steps[rank] += 1
+        if t.phases is not None:
+            self.phases[rank] = t.phases
         self._last_end[rank] = max(prev or t.end, t.end)
 
     def idle_fractions(self) -> list[float]:

@@ -13,6 +13,7 @@ import torch
 
 from kernels.paged_attention import DecodeLayout
 from stages.model import AttentionMetadata
+from stages.profiling import phase
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
@@ -64,6 +65,14 @@ class DecodeGraphs:
         n = x.shape[0]
         b = next(s for s in self.sizes if s >= n)
         graph, out = self.graphs[b]
+        with phase("graph inputs"):
+            self._copy_inputs(x, meta, n, b)
+        with phase("graph replay"):
+            graph.replay()
+        with phase("graph output"):
+            return out[:n].clone()
+
+    def _copy_inputs(self, x: torch.Tensor, meta: AttentionMetadata, n: int, b: int) -> None:
         w = meta.block_tables.shape[1]
         self.x[:n].copy_(x)
         self.positions[:n].copy_(meta.positions)
@@ -75,5 +84,3 @@ class DecodeGraphs:
             self.slots[n:b].fill_(self.scratch_slot)
             self.tables[n:b, 0].fill_(self.scratch_block)
             self.ctx[n:b].fill_(1)
-        graph.replay()
-        return out[:n].clone()

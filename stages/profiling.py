@@ -16,29 +16,72 @@ makes every stage on CUDA report each call that makes its host wait for the devi
 synchronizes on purpose, is done by then): the step path is meant to wait only on events
 (finish() reading a step's samples, the staging ring), so anything reported is a stall.
 `bench/gpu_check.py` runs every engine with `error`: a step that makes its host wait fails.
+
+    RAY_RUNTIME_PHASE_CLOCK=1
+
+makes each stage time its phases on the host with the wall clock (a perf_counter pair per
+phase, no profiler: the host runs at its own pace), cumulative counts and seconds per phase
+name, carried in every reply's StageTiming.phases; the driver's stats() has the latest per
+rank as `stage_phase_s` (bench/pp_scaling.py reports ms per step from them). Nested phases
+count inside their parents ("launch" holds "apply plan", ...).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
+import time
 from typing import Optional
 
 logger = logging.getLogger(__name__)
 
 DIR_ENV, STEPS_ENV = "RAY_RUNTIME_TORCH_PROFILER_DIR", "RAY_RUNTIME_PROFILE_STEPS"
 SYNC_DEBUG_ENV = "RAY_RUNTIME_SYNC_DEBUG"
+CLOCK_ENV = "RAY_RUNTIME_PHASE_CLOCK"
 DEFAULT_STEPS = "100:140"
 _active = False  # a window is open in this process: phases are recorded
+_clock: Optional[dict] = None  # phase name -> [count, seconds] while the phase clock runs
+
+
+class _Timed:
+    """One phase on the phase clock: its wall time added to its name's total on exit."""
+
+    __slots__ = ("name", "t0")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        entry = _clock.get(self.name)
+        if entry is None:
+            entry = _clock[self.name] = [0, 0.0]
+        entry[0] += 1
+        entry[1] += time.perf_counter() - self.t0
 
 
 def phase(name: str):
-    """A named range in the profile while a window is open; nothing otherwise."""
+    """A named range in the profile while a window is open, a timed phase while the phase
+    clock runs; nothing otherwise."""
+    if _clock is not None:
+        return _Timed(name)
     if not _active:
-        return contextlib.nullcontext()
+        return _NULL
     import torch
 
     return torch.profiler.record_function(name)
+
+
+_NULL = contextlib.nullcontext()
+
+
+def phase_clock() -> Optional[dict]:
+    """The phase clock's totals so far ({name: (count, seconds)}), or None when it is off."""
+    if _clock is None:
+        return None
+    return {k: (v[0], v[1]) for k, v in list(_clock.items())}
 
 
 def sync_debug_mode() -> Optional[str]:
@@ -54,6 +97,9 @@ def start_step_loop(device: str) -> None:
     process-wide: stop_step_loop turns it off, and calls that wait on purpose while the loop
     runs (re-forming the link, checks: the driver makes them with no step in flight) run
     inside `sync_allowed`."""
+    global _clock
+    if os.environ.get(CLOCK_ENV, "") not in ("", "0"):
+        _clock = {}
     mode = sync_debug_mode()
     if mode and device == "cuda":
         import torch

@@ -26,7 +26,7 @@ from stages.last_rank import LastRank
 from stages.model import attention_metadata, build_stage, token_layout
 from stages.model_spec import ModelSpec
 from stages.plan_view import PlanView, plan_view
-from stages.profiling import phase
+from stages.profiling import phase, phase_clock
 from stages.staging import InputStaging, to_device_async
 from stages.step_types import DeviceInputs, LaunchedStep, StepInputs
 from stages.token_feedback import TokenReceiver, TokenSender, num_samples
@@ -237,7 +237,8 @@ class StageRunner:
             plan.check()
             self.batch.check()
         with phase("stage inputs"):
-            view = plan_view(plan, self.batch)  # what each request runs: read by inputs and digests
+            with phase("plan view"):
+                view = plan_view(plan, self.batch)  # what each request runs: inputs, digests
             inputs = self.prepare_inputs(view)
         token_wait_s = 0.0
         if self.is_first:
@@ -265,7 +266,8 @@ class StageRunner:
             digests = self.batch.digests_of(view, full=cfg.debug_checks,
                                             full_every=cfg.digest_full_every)
         digest_s = time.perf_counter() - t_digest
-        self.batch.mark_computed_rows(inputs.rows, inputs.num_new)
+        with phase("mark computed"):
+            self.batch.mark_computed_rows(inputs.rows, inputs.num_new)
         step = LaunchedStep(plan.step_id, start, recv_done, digests, digest_s, gpu_start,
                             token_wait_s=token_wait_s)
         if self.is_last:
@@ -278,10 +280,11 @@ class StageRunner:
             with phase("send activations"):
                 self.transport.send_to_next(plan.step_id, hidden)
             if self.feeds_back:  # the step's samples extend the rows by pending positions
-                generations = self.batch.expect_samples(inputs.sample_slots)
-                if self.token_receiver is not None:
-                    self.token_receiver.post(plan.step_id, inputs.sample_slots, generations,
-                                             inputs.device.sample_slots)
+                with phase("post samples"):
+                    generations = self.batch.expect_samples(inputs.sample_slots)
+                    if self.token_receiver is not None:
+                        self.token_receiver.post(plan.step_id, inputs.sample_slots,
+                                                 generations, inputs.device.sample_slots)
         step.gpu_end = self._record_event()
         step.compute_done = time.time()
         return step
@@ -347,7 +350,7 @@ class StageRunner:
         timing = StageTiming(start=step.start, recv_done=step.recv_done,
                              compute_done=step.compute_done, end=time.time(),
                              digest_s=step.digest_s, gpu_busy_s=gpu_busy_s,
-                             token_wait_s=step.token_wait_s)
+                             token_wait_s=step.token_wait_s, phases=phase_clock())
         return StageStepResult(step_id=step.step_id, rank=self.rank, timing=timing,
                                digests=step.digests, sampler_output=out)
 
@@ -398,10 +401,11 @@ class StageRunner:
                 token_ids[poisoned] = 0
         sample_slots = rows[sample]
         sample_token_index = query_start_loc[sample + 1] - 1
-        meta, _, _, moved = attention_metadata(
-            b.block_table, rows, starts, num_new, self.config.block_size, self.device,
-            to_device=self.staging, layout=layout, device_table=self.device_table,
-            extras=[token_ids, patch_index, patch_slot, sample_token_index, sample_slots])
+        with phase("attention metadata"):
+            meta, _, _, moved = attention_metadata(
+                b.block_table, rows, starts, num_new, self.config.block_size, self.device,
+                to_device=self.staging, layout=layout, device_table=self.device_table,
+                extras=[token_ids, patch_index, patch_slot, sample_token_index, sample_slots])
         req_ids = token_index = output_index = num_drafts = None  # read by the sampler alone
         if self.is_last:
             req_ids = view.req_ids if len(sample) == len(rows) else [view.req_ids[i] for i in sample]

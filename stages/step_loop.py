@@ -80,8 +80,10 @@ class StepLoop:
                 if prof is not None:
                     prof.on_plan()
                 try:
+                    with phase("decode plan"):
+                        plan = decode_plan(payload)
                     with phase("launch"):
-                        pending.append(self.runner.launch(decode_plan(payload)))
+                        pending.append(self.runner.launch(plan))
                 except Exception:  # noqa: BLE001 - reported to the driver, which decides
                     pending.append(_describe(self.runner.rank))
         finally:
@@ -100,11 +102,15 @@ class StepLoop:
             chan.send(ERROR, launched.encode())
             return
         try:
-            result = encode(self.runner.finish(launched))
+            with phase("finish"):
+                result = self.runner.finish(launched)
+            with phase("encode reply"):
+                result = encode(result)
         except Exception:  # noqa: BLE001
             chan.send(ERROR, _describe(self.runner.rank).encode())
             return
-        chan.send(RESULT, result)
+        with phase("send reply"):
+            chan.send(RESULT, result)
 
 
 def _describe(rank: int) -> str:

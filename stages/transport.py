@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from stages.profiling import phase
+
 LINK_TAG, BULK_TAG = 0, 1  # a step's header message; activations sent apart from it
 INLINE, FOLLOWS, FAILED = 0, 1, 2  # header status: activations inline, on BULK_TAG, none
 HEADER_BYTES = 32  # four int64: step_id, status, num_tokens, hidden_size
@@ -209,7 +211,8 @@ class StageTransport:
         if hidden_size != self.hidden_size:
             raise LinkError(f"rank {self.rank}: step {step_id}'s activations have "
                             f"{hidden_size} columns; the link carries {self.hidden_size}")
-        self.wait_sends()  # the message buffer is free again
+        with phase("wait sends"):
+            self.wait_sends()  # the message buffer is free again
         if num_tokens <= self.inline_rows:
             buf = self._header(step_id, INLINE, num_tokens)
             buf[1:1 + num_tokens].copy_(hidden)
