@@ -102,6 +102,9 @@ class StageTiming(msgspec.Struct, array_like=True, gc=False):
     # RAY_RUNTIME_PHASE_CLOCK (stages/profiling.py): the stage's cumulative host time per
     # phase so far, {name: (count, seconds)}; None when the clock is off
     phases: Optional[dict[str, tuple[int, float]]] = None
+    # with the phase clock on CUDA: the device spans (step id, start, end; time.time()
+    # seconds) of this stage's steps that completed since its previous reply
+    gpu_spans: Optional[list[tuple[int, float, float]]] = None
 
 
 class StageStepResult(msgspec.Struct, array_like=True, gc=False):

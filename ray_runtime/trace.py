@@ -8,7 +8,8 @@ from typing import Optional
 
 from ray_runtime.messages import StageTiming
 
-DRIVER_TID = 0  # stage r is track r + 1
+DRIVER_TID = 0  # stage r is track r + 1, its device (with the phase clock) GPU_TID + r
+GPU_TID = 100
 
 
 class PipelineTrace:
@@ -61,6 +62,8 @@ class PipelineTrace:
         self.steps[rank] += 1
         if t.phases is not None:
             self.phases[rank] = t.phases
+        for sid, g0, g1 in t.gpu_spans or ():
+            self._span(GPU_TID + rank, "gpu", g0, g1, {"step": sid})
         self._last_end[rank] = max(prev or t.end, t.end)
 
     def idle_fractions(self) -> list[float]:
@@ -79,6 +82,8 @@ class PipelineTrace:
                   "args": {"name": "driver"}}]
         names += [{"name": "thread_name", "ph": "M", "pid": 1, "tid": r + 1,
                    "args": {"name": f"stage {r}"}} for r in range(self.pp_size)]
+        names += [{"name": "thread_name", "ph": "M", "pid": 1, "tid": GPU_TID + r,
+                   "args": {"name": f"stage {r} gpu"}} for r in range(self.pp_size)]
         names.append({"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "pipeline"}})
         return {"traceEvents": names + self.events, "displayTimeUnit": "ms"}
 

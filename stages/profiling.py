@@ -23,7 +23,8 @@ makes each stage time its phases on the host with the wall clock (a perf_counter
 phase, no profiler: the host runs at its own pace), cumulative counts and seconds per phase
 name, carried in every reply's StageTiming.phases; the driver's stats() has the latest per
 rank as `stage_phase_s` (bench/pp_scaling.py reports ms per step from them). Nested phases
-count inside their parents ("launch" holds "apply plan", ...).
+count inside their parents ("launch" holds "apply plan", ...). On CUDA the replies also carry
+each step's device span (DeviceClock), drawn as a "stage r gpu" track in the pipeline trace.
 """
 from __future__ import annotations
 
@@ -82,6 +83,24 @@ def phase_clock() -> Optional[dict]:
     if _clock is None:
         return None
     return {k: (v[0], v[1]) for k, v in list(_clock.items())}
+
+
+class DeviceClock:
+    """CUDA events to wall-clock times (time.time()), through one anchor event whose
+    completion the host waited for: on one machine every stage's device spans land on the
+    same time axis as the hosts' (the pipeline trace's "stage r gpu" tracks)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        with sync_allowed():
+            self.anchor = torch.cuda.Event(enable_timing=True)
+            self.anchor.record()
+            self.anchor.synchronize()
+            self.t0 = time.time()
+
+    def wall(self, *events) -> tuple:
+        return tuple(self.t0 + self.anchor.elapsed_time(e) / 1e3 for e in events)
 
 
 def sync_debug_mode() -> Optional[str]:

@@ -26,7 +26,7 @@ from stages.last_rank import LastRank
 from stages.model import attention_metadata, build_stage, token_layout
 from stages.model_spec import ModelSpec
 from stages.plan_view import PlanView, plan_view
-from stages.profiling import phase, phase_clock
+from stages.profiling import DeviceClock, phase, phase_clock
 from stages.staging import InputStaging, to_device_async
 from stages.step_types import DeviceInputs, LaunchedStep, StepInputs
 from stages.token_feedback import TokenReceiver, TokenSender, num_samples
@@ -65,7 +65,8 @@ class StageRunner:
         self.batch.driver_resolves_pending = self.feeds_back and not (self.is_first or self.is_last)
         self.link_generation = 0  # how many times this rank has joined the link
         self.fault_hook = None  # tests only: called with the batch after each plan is applied
-        self._gpu_spans: deque = deque()  # (start, end) events of steps not yet accounted
+        self._gpu_spans: deque = deque()  # (step id, start, end events) not yet accounted
+        self._clock_anchor: Optional[DeviceClock] = None  # the phase clock's, on CUDA
         self.staging = InputStaging(self.device)
         self.device_table = DeviceBlockTable(self.batch, self.device)
 
@@ -315,6 +316,15 @@ class StageRunner:
             return False
         return step.tokens_ready is None or step.tokens_ready.query()
 
+    @property
+    def clock_spans(self) -> bool:
+        """Whether replies carry the device spans of steps (the phase clock, on CUDA)."""
+        if self.device != "cuda" or phase_clock() is None:
+            return False
+        if self._clock_anchor is None:
+            self._clock_anchor = DeviceClock()
+        return True
+
     def _record_event(self):
         if self.device != "cuda":
             return None
@@ -340,17 +350,21 @@ class StageRunner:
             out = SamplerOutput(step_id=step.step_id, req_ids=d.req_ids, incarnations=d.incarnations,
                                 sampled_token_ids=[[t] for t in tokens.tolist()])
         gpu_busy_s = 0.0
+        spans = [] if self.clock_spans else None
         if step.gpu_end is not None:
-            self._gpu_spans.append((step.gpu_start, step.gpu_end))
-            while self._gpu_spans and self._gpu_spans[0][1].query():  # never waits
-                start, end = self._gpu_spans.popleft()
+            self._gpu_spans.append((step.step_id, step.gpu_start, step.gpu_end))
+            while self._gpu_spans and self._gpu_spans[0][2].query():  # never waits
+                sid, start, end = self._gpu_spans.popleft()
                 gpu_busy_s += start.elapsed_time(end) / 1e3
+                if spans is not None:
+                    spans.append((sid, *self._clock_anchor.wall(start, end)))
         if self.config.debug_checks:
             self.batch.check()
         timing = StageTiming(start=step.start, recv_done=step.recv_done,
                              compute_done=step.compute_done, end=time.time(),
                              digest_s=step.digest_s, gpu_busy_s=gpu_busy_s,
-                             token_wait_s=step.token_wait_s, phases=phase_clock())
+                             token_wait_s=step.token_wait_s, phases=phase_clock(),
+                             gpu_spans=spans)
         return StageStepResult(step_id=step.step_id, rank=self.rank, timing=timing,
                                digests=step.digests, sampler_output=out)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from stages.profiling import phase
+
 
 def to_device_async(array: np.ndarray, device) -> torch.Tensor:
     """A small host array on `device` without making the host wait: for CUDA through pinned
@@ -74,7 +76,8 @@ class InputStaging:
         i = self._turn
         self._turn ^= 1
         if self._copied[i] is not None:
-            self._copied[i].synchronize()  # normally long done: two steps ago
+            with phase("staging wait"):
+                self._copied[i].synchronize()  # normally long done: two steps ago
         pack(arrays, offsets, self._host_np[i])
         self._dev[:total].copy_(self._host[i][:total], non_blocking=True)
         ev = torch.cuda.Event()

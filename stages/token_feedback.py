@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from stages.pinned_ring import PinnedRing
+from stages.profiling import phase
 from stages.plan_view import planned_spans
 
 FEEDBACK_TAG = 2
@@ -159,7 +160,8 @@ class TokenReceiver:
         if n == 0:
             return
         buf = torch.empty(n + 1, dtype=torch.long, device=self.device)
-        entry = self._register(step_id, slots, generations, buf)
+        with phase("post feedback recv"):
+            entry = self._register(step_id, slots, generations, buf)
         self.pending_step[slots] = step_id
         if self._stream is None:
             self._to_wait.put(entry)

@@ -176,7 +176,8 @@ class StageTransport:
         or None), taken on behalf of step_id."""
         src = self.rank - 1
         work, buf, header = self._posted or self._post_header()
-        work.wait()
+        with phase("header wait"):
+            work.wait()
         self.received_step = step_id
         self._posted = self._post_header()  # the next message will not wait to be asked for
         got_step, status, got_tokens, got_hidden = header.tolist()

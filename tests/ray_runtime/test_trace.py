@@ -1,6 +1,8 @@
 """The pipeline trace's idle accounting (ray_runtime/trace.py): a later rank's wait for
 activations and gaps between steps are idle; rank 0's wait for the last rank's fed-back
 tokens is idle too (a rank 0 that blocks on them must not look busy)."""
+import pytest
+
 from ray_runtime.messages import StageTiming
 from ray_runtime.trace import PipelineTrace
 
@@ -20,3 +22,20 @@ def test_waits_count_as_idle_on_every_rank():
     assert [round(x, 3) for x in tr.launch_s] == [0.8 + 0.8, 1.8 + 0.8] and tr.steps == [2, 2]
     names = {(e["tid"], e["name"]) for e in tr.events}
     assert (1, "token wait") in names and (2, "recv wait") in names and (2, "idle") in names
+
+
+def test_device_spans_get_a_track_per_stage():
+    """With the phase clock on CUDA a reply carries its stage's completed device spans: they
+    land on the stage's "gpu" track, on the hosts' time axis, and the latest phase totals
+    are kept per rank."""
+    from ray_runtime.trace import GPU_TID
+
+    tr = PipelineTrace(2, record_events=True)
+    tr.stage_step(1, 4, StageTiming(0.0, 0.0, 0.8, 1.0, 0.0, phases={"launch": (1, 0.8)},
+                                    gpu_spans=[(3, 0.2, 0.9), (4, 1.0, 1.6)]))
+    gpu = [e for e in tr.events if e["tid"] == GPU_TID + 1]
+    assert [(e["args"]["step"], e["ts"], e["dur"]) for e in gpu] == \
+        [(3, 0.2e6, 0.7e6), (4, 1.0e6, pytest.approx(0.6e6))]
+    assert tr.phases == [None, {"launch": (1, 0.8)}]
+    tracks = {e["args"]["name"] for e in tr.to_json()["traceEvents"] if e["ph"] == "M"}
+    assert {"stage 0 gpu", "stage 1 gpu"} <= tracks
