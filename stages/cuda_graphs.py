@@ -1,10 +1,12 @@
 """CUDA graphs of a stage's forward for decode-only steps (one token per request, no drafts),
 captured once per padded batch size; every other step runs eagerly.
 
-A step of n requests replays the graph of the smallest captured size >= n: its inputs are
-copied into the graph's static buffers, the rows past n are padding that write their KV into
-a scratch block no request owns (the pool's last block, allocated for this) and attend to
-that one slot. The output rows [0, n) are cloned before anyone else reads them: the next
+A step of n requests replays the graph of the smallest captured size >= n. Its inputs are
+staged straight into the buffer the graph reads (stages/graph_inputs.py: one copy); inside
+the graph each row's block table is gathered from the device mirror and, on the first rank,
+a fed sample patched into its input id. The rows past n are padding that write their KV
+into a scratch block no request owns (the pool's last block, allocated for this) and attend
+to that one slot. The output rows [0, n) are cloned before anyone else reads them: the next
 replay rewrites the static output while an NCCL send of this one may still be in flight.
 """
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from kernels.paged_attention import DecodeLayout
+from stages.graph_inputs import GraphInputs, StagedDecode
 from stages.model import AttentionMetadata
 from stages.profiling import phase
 
@@ -20,32 +23,42 @@ CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches, *, is_first: bool, hidden_size: int, max_rows: int,
-                 max_blocks: int, scratch_block: int, block_size: int, dtype: torch.dtype) -> None:
-        dev = torch.device("cuda")
+                 mirror: torch.Tensor, fed_tokens: torch.Tensor, scratch_block: int,
+                 block_size: int, dtype: torch.dtype, depth: int = 2,
+                 capture: bool = True) -> None:
+        """mirror: the device block table (DeviceBlockTable.table; its last row is the pad
+        row, every entry the scratch block); fed_tokens: each slot's latest sample on the
+        device (what a first rank's fed ids read). capture=False runs the same step
+        function eagerly at each replay (CPU tests of the staged path)."""
+        dev = mirror.device
         self.sizes = [s for s in CAPTURE_SIZES if s < max_rows] + [max_rows]
         B = self.sizes[-1]
-        self.is_first = is_first
-        self.x = torch.zeros(B, dtype=torch.long, device=dev) if is_first else \
-            torch.zeros(B, hidden_size, dtype=dtype, device=dev)
-        self.positions = torch.zeros(B, dtype=torch.long, device=dev)
-        self.slots = torch.full((B,), scratch_block * block_size, dtype=torch.long, device=dev)
-        self.tables = torch.full((B, max_blocks), scratch_block, dtype=torch.long, device=dev)
-        self.ctx = torch.ones(B, dtype=torch.long, device=dev)
-        self.scratch_slot = scratch_block * block_size
-        self.scratch_block = scratch_block
+        self.model, self.kv_caches = model, kv_caches
+        self.is_first, self.capture = is_first, capture
+        self.mirror, self.fed_tokens = mirror, fed_tokens
+        mirror[-1].fill_(scratch_block)
+        self.inputs = GraphInputs(B, mirror.shape[1], scratch_slot=scratch_block * block_size,
+                                  pad_row=mirror.shape[0] - 1, device=dev.type, depth=depth)
+        v = self.inputs.views  # every row padding until a step writes it
+        v["slots"].fill_(scratch_block * block_size)
+        v["ctx"].fill_(1)
+        v["rows"].fill_(mirror.shape[0] - 1)
+        self.x = None if is_first else torch.zeros(B, hidden_size, dtype=dtype, device=dev)
+        self.arange = torch.arange(B, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if not capture:
+            return
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.sizes):  # largest first: the smaller ones reuse its pool
-            meta = self._meta(b)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up: kernels compiled, workspaces made
                 for _ in range(2):
-                    model(self.x[:b], meta, kv_caches)
+                    self._step(b)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = model(self.x[:b], meta, kv_caches)
+                out = self._step(b)
             self.graphs[b] = (graph, out)
         torch.cuda.synchronize()
 
@@ -53,34 +66,39 @@ class DecodeGraphs:
     def max_rows(self) -> int:
         return self.sizes[-1]
 
-    def _meta(self, b: int) -> AttentionMetadata:
-        rows = torch.arange(b, device=self.positions.device)
-        layout = DecodeLayout(token_rows=rows, table_rows=rows, ctx_lens=self.ctx[:b],
-                              long_chunks=[], all_decode=True)
-        return AttentionMetadata(positions=self.positions[:b], slot_mapping=self.slots[:b],
-                                 block_tables=self.tables[:b], seq_lens=[1] * b,
-                                 query_start_loc=list(range(b + 1)), layout=layout)
+    def size_for(self, n: int) -> int:
+        """The captured size a step of n requests replays (n <= max_rows)."""
+        return next(s for s in self.sizes if s >= n)
 
-    def run(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        n = x.shape[0]
-        b = next(s for s in self.sizes if s >= n)
+    def _step(self, b: int, seq_lens=None) -> torch.Tensor:
+        """The captured work of a step of size b, reading only the static inputs: the block
+        tables gathered from the mirror, a first rank's fed ids patched in."""
+        v = self.inputs.views
+        rows = v["rows"][:b]
+        each = self.arange[:b]
+        layout = DecodeLayout(token_rows=each, table_rows=each, ctx_lens=v["ctx"][:b],
+                              long_chunks=[], all_decode=True)
+        meta = AttentionMetadata(positions=v["positions"][:b], slot_mapping=v["slots"][:b],
+                                 block_tables=self.mirror.index_select(0, rows),
+                                 seq_lens=seq_lens or [1] * b, query_start_loc=list(range(b + 1)),
+                                 layout=layout)
+        if self.is_first:
+            x = torch.where(v["fed"][:b] != 0, self.fed_tokens.index_select(0, rows), v["ids"][:b])
+        else:
+            x = self.x[:b]
+        return self.model(x, meta, self.kv_caches)
+
+    def run(self, staged: StagedDecode, x) -> torch.Tensor:
+        """Replay the graph of staged.b on the staged inputs (x: the activations, off the
+        first rank). The output rows [0, n) are cloned: the next replay rewrites them."""
+        n, b = staged.n, staged.b
+        if not self.is_first:
+            with phase("graph inputs"):
+                self.x[:n].copy_(x)
+        if not self.capture:  # CPU tests: the same work, eagerly (host lists for the CPU kernel)
+            return self._step(b, self.inputs.views["ctx"][:b].tolist())[:n].clone()
         graph, out = self.graphs[b]
-        with phase("graph inputs"):
-            self._copy_inputs(x, meta, n, b)
         with phase("graph replay"):
             graph.replay()
         with phase("graph output"):
             return out[:n].clone()
-
-    def _copy_inputs(self, x: torch.Tensor, meta: AttentionMetadata, n: int, b: int) -> None:
-        w = meta.block_tables.shape[1]
-        self.x[:n].copy_(x)
-        self.positions[:n].copy_(meta.positions)
-        self.slots[:n].copy_(meta.slot_mapping)
-        self.tables[:n, :w].copy_(meta.block_tables)
-        self.ctx[:n].copy_(meta.layout.ctx_lens)
-        if b > n:  # padding rows: one token at position 0 in the scratch block
-            self.positions[n:b].zero_()
-            self.slots[n:b].fill_(self.scratch_slot)
-            self.tables[n:b, 0].fill_(self.scratch_block)
-            self.ctx[n:b].fill_(1)

@@ -15,7 +15,10 @@ import torch
 class DeviceBlockTable:
     def __init__(self, batch, device: str) -> None:
         self.batch = batch
-        self.table = torch.zeros(batch.block_table.shape, dtype=torch.int64, device=device)
+        # one row more than the batch's: the pad row that a decode graph's padding rows read
+        # (stages/cuda_graphs.py fills it with the scratch block)
+        rows, width = batch.block_table.shape
+        self.table = torch.zeros((rows + 1, width), dtype=torch.int64, device=device)
         self._dirty = np.zeros(0, np.int64)
 
     def changes(self) -> list[np.ndarray]:

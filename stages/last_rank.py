@@ -22,7 +22,8 @@ from stages.step_types import DeferredSamples, LaunchedStep, StepInputs
 
 
 class LastRank:
-    def __init__(self, config: EngineConfig, spec: ModelSpec, model, batch: InputBatch) -> None:
+    def __init__(self, config: EngineConfig, spec: ModelSpec, model, batch: InputBatch,
+                 last_sampled: torch.Tensor) -> None:
         self.device = config.device
         self.model, self.batch = model, batch
         self.sampler = Sampler(torch.device(self.device))
@@ -31,9 +32,10 @@ class LastRank:
             if self.spec_config else None
         self.drafter = DraftModelProposer(config, spec, self.sampler.unseeded) \
             if self.verifier and self.spec_config.method == "draft_model" else None
-        # [max_num_seqs] each slot's latest sample, written by the device; read only for a
-        # slot with a pending sample, which only its current tenant can have (invariant 3).
-        self.last_sampled = torch.zeros(config.max_num_seqs, dtype=torch.long, device=self.device)
+        # [>= max_num_seqs] each slot's latest sample, written by the device (the runner's
+        # buffer: at PP=1 the first rank's fed ids read it); read only for a slot with a
+        # pending sample, which only its current tenant can have (invariant 3).
+        self.last_sampled = last_sampled
         # Host copies of the samples, one more than the steps this rank keeps in flight (the
         # step loop's limit): a copy not yet read by its step's finish is never overwritten.
         self._pinned_tokens = PinnedRing(config.inflight_steps + 1, config.max_num_seqs,

@@ -19,6 +19,7 @@ from ray_runtime.layer_span import LayerSpan
 from ray_runtime.messages import SamplerOutput, StageStepResult, StageTiming, StepPlan
 from ray_runtime.sampling_params import SamplingParams
 from stages.cuda_graphs import DecodeGraphs
+from stages.graph_inputs import StagedDecode
 from stages.device_state import DeviceBlockTable
 from stages.input_batch import InputBatch
 from stages.kv_cache import allocate_kv_cache, available_host_kv_bytes, bytes_per_block
@@ -51,7 +52,13 @@ class StageRunner:
                                  self.dtype, self.device)
         self.num_layers = len(span.attention_layers)  # the layers whose KV cache is here
         self.batch = InputBatch(config.max_num_seqs, max_model_len, config.block_size)
-        self.last = LastRank(config, self.spec, self.model, self.batch) if self.is_last else None
+        # [max_num_seqs + 1] each slot's latest sample on the device: the last rank's own
+        # (PP=1) or those fed back to rank 0; a first rank's pending ids read it (the last
+        # entry belongs to the decode graphs' padding rows and is never written)
+        self.fed_tokens = torch.zeros(config.max_num_seqs + 1, dtype=torch.long,
+                                      device=self.device)
+        self.last = LastRank(config, self.spec, self.model, self.batch, self.fed_tokens) \
+            if self.is_last else None
         self.drafter = self.last.drafter if self.last is not None else None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: Optional[DecodeGraphs] = None  # cuda, unless enforce_eager
@@ -67,7 +74,8 @@ class StageRunner:
         self.fault_hook = None  # tests only: called with the batch after each plan is applied
         self._gpu_spans: deque = deque()  # (step id, start, end events) not yet accounted
         self._clock_anchor: Optional[DeviceClock] = None  # the phase clock's, on CUDA
-        self.staging = InputStaging(self.device)
+        # one staging buffer more than the steps in flight: it never holds the host back
+        self.staging = InputStaging(self.device, depth=config.inflight_steps + 1)
         self.device_table = DeviceBlockTable(self.batch, self.device)
 
     # ---- set-up --------------------------------------------------------------------------
@@ -136,17 +144,24 @@ class StageRunner:
         if self.drafter is not None:
             self.drafter.init_kv_cache(num_blocks)
         if self.uses_cuda_graphs:
-            self.graphs = DecodeGraphs(
-                self.model, self.kv_caches, is_first=self.is_first,
-                hidden_size=self.spec.hidden_size, max_rows=self.config.max_num_seqs,
-                max_blocks=self.batch.block_table.shape[1], scratch_block=num_blocks,
-                block_size=self.config.block_size, dtype=self.dtype)
+            self.use_decode_graphs(scratch_block=num_blocks)
 
-    def _forward(self, x: torch.Tensor, meta) -> torch.Tensor:
-        """A decode-only step replays a CUDA graph; any other step runs eagerly."""
-        if self.graphs is not None and meta.layout.all_decode and x.shape[0] <= self.graphs.max_rows:
-            return self.graphs.run(x, meta)
-        return self.model(x, meta, self.kv_caches)
+    def use_decode_graphs(self, scratch_block: int, capture: bool = True) -> None:
+        """Decode steps from now on replay graphs (stages/cuda_graphs.py) on inputs staged
+        into their buffer; capture=False runs the same path eagerly (CPU tests), with
+        scratch_block a block no request owns."""
+        self.graphs = DecodeGraphs(
+            self.model, self.kv_caches, is_first=self.is_first,
+            hidden_size=self.spec.hidden_size, max_rows=self.config.max_num_seqs,
+            mirror=self.device_table.table, fed_tokens=self.fed_tokens,
+            scratch_block=scratch_block, block_size=self.config.block_size, dtype=self.dtype,
+            depth=self.config.inflight_steps + 1, capture=capture)
+
+    def _forward(self, x: Optional[torch.Tensor], inputs: StepInputs) -> torch.Tensor:
+        """A staged decode step replays a CUDA graph; any other step runs eagerly."""
+        if inputs.staged is not None:
+            return self.graphs.run(inputs.staged, x)
+        return self.model(x, inputs.meta, self.kv_caches)
 
     def init_transport(self, store) -> None:
         """Join the inter-stage link through the rendezvous store (stages/transport.py); a
@@ -161,7 +176,7 @@ class StageRunner:
                 self.token_sender = TokenSender(group, self.device)
             elif group is not None and self.is_first:
                 self.token_receiver = TokenReceiver(group, self.device, cfg.max_num_seqs,
-                                                    cfg.inflight_steps)
+                                                    cfg.inflight_steps, self.fed_tokens)
             self.link_generation += 1
 
     def close_transport(self) -> None:
@@ -243,14 +258,15 @@ class StageRunner:
             inputs = self.prepare_inputs(view)
         token_wait_s = 0.0
         if self.is_first:
-            x = inputs.device.token_ids
+            x = inputs.device.token_ids  # None when staged: the graph reads its own
             if len(inputs.patch_index):  # pending samples: their ids never left the device
-                x = x.clone()  # the staging buffer's view stays as staged
                 t_wait = time.time()
                 with phase("feed tokens"):
                     fed = self._fed_samples(inputs.patch_slot)
                 token_wait_s = time.time() - t_wait
-                x[inputs.device.patch_index] = fed[inputs.device.patch_slot]
+                if inputs.staged is None:  # (a staged step patches them in its graph)
+                    x = x.clone()  # the staging buffer's view stays as staged
+                    x[inputs.device.patch_index] = fed[inputs.device.patch_slot]
         else:
             with phase("recv activations"):
                 x = self.transport.recv_from_prev(plan.step_id, inputs.num_tokens)
@@ -259,7 +275,7 @@ class StageRunner:
         # in stream order: the span from here to gpu_end is the stage's own compute.
         gpu_start = self._record_event()
         with phase("forward"):
-            hidden = self._forward(x, inputs.meta)
+            hidden = self._forward(x, inputs)
         # While the device runs the step: the digests of the rows as the plan left them.
         t_digest = time.perf_counter()
         cfg = self.config
@@ -415,11 +431,22 @@ class StageRunner:
                 token_ids[poisoned] = 0
         sample_slots = rows[sample]
         sample_token_index = query_start_loc[sample + 1] - 1
-        with phase("attention metadata"):
-            meta, _, _, moved = attention_metadata(
-                b.block_table, rows, starts, num_new, self.config.block_size, self.device,
-                to_device=self.staging, layout=layout, device_table=self.device_table,
-                extras=[token_ids, patch_index, patch_slot, sample_token_index, sample_slots])
+        samples_every_token = len(sample) == len(positions)
+        meta = staged = None
+        if (self.graphs is not None and samples_every_token and len(rows) == len(positions)
+                and len(rows) <= self.graphs.max_rows):
+            # A decode step that samples every row: staged into its graph's buffer.
+            with phase("stage graph inputs"):
+                staged = self._stage_decode(rows, positions, token_ids, patch_index,
+                                            sample_slots)
+            device = DeviceInputs(None, None, None, None, staged.sample_slots)
+        else:
+            with phase("attention metadata"):
+                meta, _, _, moved = attention_metadata(
+                    b.block_table, rows, starts, num_new, self.config.block_size, self.device,
+                    to_device=self.staging, layout=layout, device_table=self.device_table,
+                    extras=[token_ids, patch_index, patch_slot, sample_token_index, sample_slots])
+            device = DeviceInputs(*moved)
         req_ids = token_index = output_index = num_drafts = None  # read by the sampler alone
         if self.is_last:
             req_ids = view.req_ids if len(sample) == len(rows) else [view.req_ids[i] for i in sample]
@@ -430,8 +457,25 @@ class StageRunner:
                           sample_req_ids=req_ids, sample_slots=sample_slots,
                           sample_token_index=token_index, sample_output_index=output_index,
                           sample_num_drafts=num_drafts, patch_index=patch_index,
-                          patch_slot=patch_slot, device=DeviceInputs(*moved),
-                          samples_every_token=len(sample) == len(positions))
+                          patch_slot=patch_slot, device=device,
+                          samples_every_token=samples_every_token, staged=staged)
+
+    def _stage_decode(self, rows: np.ndarray, positions: np.ndarray, token_ids: np.ndarray,
+                      patch_index: np.ndarray, sample_slots: np.ndarray) -> StagedDecode:
+        """One token per row at `positions`: the graph's inputs in one copy, and the block
+        table rows changed since the last step scattered into the device mirror."""
+        bs = self.config.block_size
+        slots = self.batch.block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        fed = _EMPTY
+        if self.is_first:
+            fed = np.zeros(len(rows), np.int64)
+            fed[patch_index] = 1
+        dirty_slots, dirty_rows = self.device_table.changes()
+        staged = self.graphs.inputs.stage(self.graphs.size_for(len(rows)), positions, slots,
+                                          rows, token_ids, fed, sample_slots, dirty_slots,
+                                          dirty_rows)
+        self.device_table.apply(staged.dirty_slots, staged.dirty_rows)
+        return staged
 
     def check(self) -> None:
         self.batch.check()

@@ -3,9 +3,11 @@ slot mapping, block tables, decode layout, input ids, sample indices) is packed 
 pinned host buffer and copied to one device buffer with a single non-blocking copy.
 
 Why: a copy from pageable memory makes the host wait for the device's queue to drain, which
-would serialize the next step's staging behind the running step. Two pinned buffers
-alternate; before one is rewritten, the event recorded after its last copy is waited on, so a
-copy still in flight is never overwritten (docs/invariants.md, 2). The device buffer needs no
+would serialize the next step's staging behind the running step. A ring of `depth` pinned
+buffers takes turns; before one is rewritten, the event recorded after its last copy is
+waited on, so a copy still in flight is never overwritten (docs/invariants.md, 2). The runner
+makes the ring one longer than the steps it keeps in flight, so that this wait never holds
+the host closer to its device than the step loop's own limit does. The device buffer needs no
 such care: the next copy is queued on the same stream, after the kernels that read it.
 """
 from __future__ import annotations
@@ -49,8 +51,11 @@ def unpack(buffer, arrays: list[np.ndarray], offsets: list[int]) -> list:
 
 
 class InputStaging:
-    def __init__(self, device: str, capacity: int = 1 << 16) -> None:
+    def __init__(self, device: str, capacity: int = 1 << 16, depth: int = 2) -> None:
+        if depth < 2:
+            raise ValueError(f"depth: a staging ring needs at least 2 buffers, got {depth}")
         self.device = device
+        self.depth = depth
         self.is_cuda = device == "cuda"
         self._capacity = 0
         self._turn = 0
@@ -61,9 +66,10 @@ class InputStaging:
         # Old buffers stay alive while an in-flight copy holds them (torch's caching host
         # allocator records the copy's stream), so replacing them here is safe.
         self._capacity = capacity
-        self._host = [torch.empty(capacity, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._host = [torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+                      for _ in range(self.depth)]
         self._host_np = [h.numpy() for h in self._host]
-        self._copied = [None, None]  # the event after each host buffer's last copy
+        self._copied = [None] * self.depth  # the event after each host buffer's last copy
         self._dev = torch.empty(capacity, dtype=torch.int64, device=self.device)
 
     def __call__(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
@@ -74,10 +80,10 @@ class InputStaging:
         if total > self._capacity:
             self._grow(max(total, 2 * self._capacity))
         i = self._turn
-        self._turn ^= 1
+        self._turn = (i + 1) % self.depth
         if self._copied[i] is not None:
             with phase("staging wait"):
-                self._copied[i].synchronize()  # normally long done: two steps ago
+                self._copied[i].synchronize()  # normally long done: `depth` steps ago
         pack(arrays, offsets, self._host_np[i])
         self._dev[:total].copy_(self._host[i][:total], non_blocking=True)
         ev = torch.cuda.Event()

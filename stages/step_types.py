@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ray_runtime.messages import RowDigests, SamplerOutput
+from stages.graph_inputs import StagedDecode
 from stages.model import AttentionMetadata
 
 
@@ -16,7 +17,7 @@ from stages.model import AttentionMetadata
 class StepInputs:
     rows: np.ndarray  # the batch row of each scheduled request
     num_new: np.ndarray  # tokens each scheduled request runs (the plan's, or fewer if self-drafted)
-    meta: AttentionMetadata
+    meta: Optional[AttentionMetadata]
     # The sampled requests' host lists, built on the last rank only (None elsewhere):
     sample_req_ids: list[str]  # requests whose known prefix this step completes
     sample_token_index: list[int]  # their last token's index in the step's layout
@@ -32,16 +33,19 @@ class StepInputs:
     # every token is a sampled request's last one (a decode step): the hidden states are the
     # sampler's rows as they are, with no index_select
     samples_every_token: bool = False
+    # a decode step staged for its graph (stages/graph_inputs.py): meta is None then, and
+    # of the device inputs only sample_slots is set
+    staged: Optional[StagedDecode] = None
 
 
 @dataclass
 class DeviceInputs:
     """The step's own arrays on the device, staged with its attention metadata (one copy)."""
 
-    token_ids: torch.Tensor  # [num_tokens] first rank; empty elsewhere
-    patch_index: torch.Tensor
-    patch_slot: torch.Tensor
-    sample_token_index: torch.Tensor  # [num_sampled]
+    token_ids: Optional[torch.Tensor]  # [num_tokens] first rank; empty elsewhere
+    patch_index: Optional[torch.Tensor]
+    patch_slot: Optional[torch.Tensor]
+    sample_token_index: Optional[torch.Tensor]  # [num_sampled]
     sample_slots: torch.Tensor  # [num_sampled]
 
 

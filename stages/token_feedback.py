@@ -113,12 +113,15 @@ class TokenReceiver:
     """Rank 0's end: posts a receive per sampling step, feeds the tokens to the device buffer
     that the input-id patch reads, and hands their values to the host when the step ends."""
 
-    def __init__(self, group, device: str, max_num_seqs: int, max_inflight_steps: int = 1) -> None:
+    def __init__(self, group, device: str, max_num_seqs: int, max_inflight_steps: int = 1,
+                 last_sampled: Optional[torch.Tensor] = None) -> None:
         self.group = group
         self.device = device
-        # [max_num_seqs] each slot's latest fed sample (the patch reads a slot's entry only
-        # for a pending sample, which only its current tenant can have: invariant 3).
-        self.last_sampled = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
+        # [>= max_num_seqs] each slot's latest fed sample (the patch reads a slot's entry only
+        # for a pending sample, which only its current tenant can have: invariant 3); the
+        # runner's, which its decode graphs read, or one of its own
+        self.last_sampled = last_sampled if last_sampled is not None else \
+            torch.zeros(max_num_seqs, dtype=torch.long, device=device)
         # [max_num_seqs] host: the step that made each slot's latest pending sample
         self.pending_step = np.full(max_num_seqs, -1, np.int64)
         self._incoming: deque[_Incoming] = deque()  # posted, in step order

@@ -40,7 +40,7 @@ def _step(params: list[SamplingParams], every_token: bool = False
                                  num_prompt_tokens=3, num_computed_tokens=0, block_ids=[1],
                                  sampling=sp))
     model = _Model()
-    rank = LastRank(config, None, model, batch)
+    rank = LastRank(config, None, model, batch, torch.zeros(5, dtype=torch.long))
     slots = np.array([batch.req_id_to_slot[f"r{i}"] for i in range(len(params))])
     n = len(params)
     inputs = SimpleNamespace(sample_slots=slots, sample_req_ids=[f"r{i}" for i in range(n)],

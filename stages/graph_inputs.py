@@ -1,0 +1,113 @@
+"""The inputs of a decode step that replays a graph (stages/cuda_graphs.py), staged straight
+into the buffer the graph reads: one host pack, one host-to-device copy, nothing else.
+
+A decode step of n requests replays the graph of the smallest captured size b >= n. The
+graph reads fixed segments of one int64 device buffer, `capacity` (the largest size) long
+each; this step writes their first b entries, the rows past n as padding:
+
+  positions     each row's one token's position               padding 0
+  slots         where its KV lands (block * block_size + offset)  the scratch block's slot
+  ctx           its context length after the step (position + 1)  1
+  rows          its batch slot: the graph gathers its block table  the pad row (all scratch
+                from the device mirror and reads its fed sample     blocks; its fed entry is
+                by it                                               never written)
+  ids           first rank: its input id (0 where fed)         0
+  fed           first rank: 1 where the id is the slot's latest fed sample (patched in the
+                graph from the device buffer of samples)       0
+
+then, read outside the graph, variable-sized: the sampled slots, and the block table rows
+that changed since the last step (DeviceBlockTable), scattered into the mirror before the
+replay. Only the used extent is copied.
+
+Host buffers: a ring of `depth` pinned buffers; before one is rewritten the event after its
+last copy is waited on (docs/invariants.md, 2). The device buffer needs no such care: the
+next copy is queued on the same stream, after the replay that reads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from stages.profiling import phase
+
+SEGMENTS = ("positions", "slots", "ctx", "rows", "ids", "fed")
+
+
+@dataclass
+class StagedDecode:
+    """One decode step's inputs, staged: the graph size it replays and the device views the
+    runner reads outside the graph."""
+
+    n: int  # requests
+    b: int  # the graph's size (>= n)
+    sample_slots: torch.Tensor  # [num_sampled] device
+    num_dirty: int  # block table rows to scatter into the mirror before the replay
+    dirty_slots: torch.Tensor
+    dirty_rows: torch.Tensor
+
+
+class GraphInputs:
+    def __init__(self, capacity: int, table_width: int, *, scratch_slot: int, pad_row: int,
+                 device: str, depth: int = 2) -> None:
+        if depth < 2:
+            raise ValueError(f"depth: a staging ring needs at least 2 buffers, got {depth}")
+        self.capacity, self.width = capacity, table_width
+        self.scratch_slot, self.pad_row = scratch_slot, pad_row
+        self.is_cuda = device == "cuda"
+        C = capacity
+        self._tail = len(SEGMENTS) * C  # where the sampled slots start
+        # sampled slots (<= C), dirty slots (<= C), dirty rows (<= C x width)
+        size = self._tail + 2 * C + C * table_width
+        self.device_buffer = torch.zeros(size, dtype=torch.int64, device=device)
+        self.views = {name: self.device_buffer[i * C:(i + 1) * C] for i, name in enumerate(SEGMENTS)}
+        self._host = [torch.zeros(size, dtype=torch.int64, pin_memory=self.is_cuda)
+                      for _ in range(depth)]
+        self._host_np = [h.numpy() for h in self._host]
+        self._copied = [None] * depth
+        self._turn = 0
+
+    def stage(self, b: int, positions: np.ndarray, slots: np.ndarray, rows: np.ndarray,
+              ids: np.ndarray, fed: np.ndarray, sample_slots: np.ndarray,
+              dirty_slots: np.ndarray, dirty_rows: np.ndarray) -> StagedDecode:
+        """Pack and copy one step's inputs (n = len(rows) <= b <= capacity); ids and fed are
+        empty off the first rank."""
+        n, C = len(rows), self.capacity
+        i = self._turn
+        self._turn = (i + 1) % len(self._host)
+        if self._copied[i] is not None:
+            with phase("staging wait"):
+                self._copied[i].synchronize()  # normally long done: `depth` steps ago
+        h = self._host_np[i]
+        h[0:n] = positions
+        h[n:b] = 0
+        h[C:C + n] = slots
+        h[C + n:C + b] = self.scratch_slot
+        h[2 * C:2 * C + n] = positions + 1
+        h[2 * C + n:2 * C + b] = 1
+        h[3 * C:3 * C + n] = rows
+        h[3 * C + n:3 * C + b] = self.pad_row
+        if len(ids):
+            h[4 * C:4 * C + n] = ids
+            h[4 * C + n:4 * C + b] = 0
+            h[5 * C:5 * C + n] = fed
+            h[5 * C + n:5 * C + b] = 0
+        k, d, t = len(sample_slots), len(dirty_slots), self._tail
+        h[t:t + k] = sample_slots
+        h[t + C:t + C + d] = dirty_slots
+        rows_at = t + 2 * C
+        end = rows_at + d * self.width
+        h[rows_at:end] = dirty_rows.reshape(-1)
+        used = end if d else t + C
+        dev = self.device_buffer
+        if self.is_cuda:
+            dev[:used].copy_(self._host[i][:used], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            self._copied[i] = ev
+        else:
+            dev[:used].copy_(self._host[i][:used])
+        return StagedDecode(n=n, b=b, sample_slots=dev[t:t + k], num_dirty=d,
+                            dirty_slots=dev[t + C:t + C + d],
+                            dirty_rows=dev[rows_at:end].view(d, self.width))

@@ -1,0 +1,122 @@
+"""Decode steps staged straight into their graph's buffer (stages/graph_inputs.py,
+stages/cuda_graphs.py): on CUDA the graph is captured; here on CPU the same step function
+runs eagerly at each "replay" (capture=False), so the packing, the padding rows, the block
+tables gathered from the device mirror and the fed ids patched in from the device buffer of
+samples are all exercised. The real EngineCore over one StageRunner (LocalRanks, PP=1,
+overlapped: pending samples are patched in), against HF greedy."""
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from ray_runtime.config import EngineConfig
+from ray_runtime.engine_core import EngineCore
+from ray_runtime.layer_span import LayerSpan
+from ray_runtime.messages import RequestSpec
+from ray_runtime.ranks import LocalRanks
+from ray_runtime.sampling_params import RequestOutputKind, SamplingParams
+from stages.graph_inputs import GraphInputs
+from stages.model_spec import ModelSpec
+from stages.runner import StageRunner
+from tests.conftest import stress_workload
+from tests.reference import assert_matches, hf_greedy
+
+NUM_BLOCKS = 200
+
+
+def _run(model_dir: str, prompts, params, staged: bool, max_num_seqs: int = 8):
+    spec = ModelSpec.from_dir(model_dir)
+    cfg = EngineConfig(model=model_dir, max_num_seqs=max_num_seqs, max_num_batched_tokens=48,
+                       num_kv_blocks=NUM_BLOCKS, max_model_len=320, disable_log_stats=True)
+    runner = StageRunner(cfg, 0, LayerSpan.of_layers(0, spec.num_layers), 320)
+    runner.init_kv_cache(NUM_BLOCKS + 1)  # the last block: the padding rows' scratch
+    if staged:
+        runner.use_decode_graphs(scratch_block=NUM_BLOCKS, capture=False)
+    core = EngineCore(cfg, LocalRanks(runner, overlap=True), num_kv_blocks=NUM_BLOCKS,
+                      max_model_len=320, eos_token_ids=spec.eos_token_ids)
+    replays, sizes = [0], set()
+    if staged:
+        run = runner.graphs.run
+
+        def counting(st, x):
+            replays[0] += 1
+            sizes.add((st.n, st.b))
+            return run(st, x)
+
+        runner.graphs.run = counting
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        sp = msgspec.structs.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
+        core.add_request(RequestSpec(f"r{i}", p, sp))
+    outputs = {}
+    for _ in range(5000):
+        if not core.has_work():
+            break
+        for d in core.step():
+            outputs[d.req_id] = d.new_token_ids
+        runner.check()
+    else:
+        pytest.fail("did not finish")
+    return outputs, replays[0], sizes
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_staged_decode_equals_eager(tiny_model, sampled):
+    model = tiny_model("llama")
+    prompts, budgets = stress_workload(seed=52, num_requests=11, max_len=90, max_tokens=(8, 30))
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.8 if sampled else 0.0,
+                             seed=i if sampled else None) for i, m in enumerate(budgets)]
+    eager, none, _ = _run(model, prompts, params, staged=False)
+    staged, replays, sizes = _run(model, prompts, params, staged=True)
+    assert none == 0
+    assert replays > 20, f"only {replays} staged decode steps"
+    assert any(b > n for n, b in sizes), f"no padded replay among {sorted(sizes)}"
+    assert staged == eager
+    if not sampled:
+        for i, (p, m) in enumerate(zip(prompts, budgets)):
+            assert_matches(staged[f"r{i}"], hf_greedy(model, tuple(p), m), f"request {i}")
+
+
+def test_graph_inputs_pack_pads_and_copies_only_what_is_used():
+    gi = GraphInputs(8, 3, scratch_slot=160, pad_row=5, device="cpu", depth=2)
+    gi.device_buffer.fill_(-7)
+    st = gi.stage(4, positions=np.array([3, 9]), slots=np.array([19, 41]), rows=np.array([2, 0]),
+                  ids=np.array([11, 0]), fed=np.array([0, 1]), sample_slots=np.array([2, 0]),
+                  dirty_slots=np.array([0]), dirty_rows=np.array([[4, 5, 6]]))
+    v = gi.views
+    assert (st.n, st.b) == (2, 4)
+    assert v["positions"][:4].tolist() == [3, 9, 0, 0]
+    assert v["slots"][:4].tolist() == [19, 41, 160, 160]
+    assert v["ctx"][:4].tolist() == [4, 10, 1, 1]
+    assert v["rows"][:4].tolist() == [2, 0, 5, 5]
+    assert v["ids"][:4].tolist() == [11, 0, 0, 0] and v["fed"][:4].tolist() == [0, 1, 0, 0]
+    assert st.sample_slots.tolist() == [2, 0]
+    assert st.num_dirty == 1 and st.dirty_slots.tolist() == [0]
+    assert st.dirty_rows.tolist() == [[4, 5, 6]]
+    # without dirty rows the copy stops after the sampled slots' segment
+    st = gi.stage(2, positions=np.array([1]), slots=np.array([1]), rows=np.array([3]),
+                  ids=np.array([], np.int64), fed=np.array([], np.int64),
+                  sample_slots=np.array([3]), dirty_slots=np.array([], np.int64),
+                  dirty_rows=np.zeros((0, 3), np.int64))
+    assert st.num_dirty == 0 and st.dirty_rows.shape == (0, 3)
+    rows_at = 6 * 8 + 2 * 8  # six segments, the sampled and the dirty slots, then the rows
+    assert gi.device_buffer[rows_at:rows_at + 3].tolist() == [4, 5, 6], "the first step's"
+    assert gi.device_buffer[rows_at + 3:].tolist() == [-7] * (3 * 8 - 3), "never copied"
+    with pytest.raises(ValueError, match="depth"):
+        GraphInputs(8, 3, scratch_slot=0, pad_row=0, device="cpu", depth=1)
+
+
+def test_mirror_has_a_pad_row_of_scratch_blocks(tiny_model):
+    model = tiny_model("llama")
+    spec = ModelSpec.from_dir(model)
+    cfg = EngineConfig(model=model, max_num_seqs=4, max_num_batched_tokens=32,
+                       num_kv_blocks=20, max_model_len=64, disable_log_stats=True)
+    runner = StageRunner(cfg, 0, LayerSpan.of_layers(0, spec.num_layers), 64)
+    runner.init_kv_cache(21)
+    runner.use_decode_graphs(scratch_block=20, capture=False)
+    table = runner.device_table.table
+    assert table.shape[0] == cfg.max_num_seqs + 1
+    assert torch.equal(table[-1], torch.full_like(table[-1], 20))
+    assert runner.graphs.inputs.pad_row == cfg.max_num_seqs
+    assert runner.fed_tokens.shape[0] == cfg.max_num_seqs + 1
