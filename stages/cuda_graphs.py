@@ -11,6 +11,8 @@ replay rewrites the static output while an NCCL send of this one may still be in
 """
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 
 from kernels.paged_attention import DecodeLayout
@@ -25,11 +27,14 @@ class DecodeGraphs:
     def __init__(self, model, kv_caches, *, is_first: bool, hidden_size: int, max_rows: int,
                  mirror: torch.Tensor, fed_tokens: torch.Tensor, scratch_block: int,
                  block_size: int, dtype: torch.dtype, depth: int = 2,
+                 greedy_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  capture: bool = True) -> None:
         """mirror: the device block table (DeviceBlockTable.table; its last row is the pad
         row, every entry the scratch block); fed_tokens: each slot's latest sample on the
-        device (what a first rank's fed ids read). capture=False runs the same step
-        function eagerly at each replay (CPU tests of the staged path)."""
+        device (what a first rank's fed ids read). greedy_head (the last rank): hidden
+        states -> greedy tokens; each size then also has a graph that ends in it and writes
+        the tokens to fed_tokens, for steps whose every row is greedy. capture=False runs
+        the same step functions eagerly at each replay (CPU tests of the staged path)."""
         dev = mirror.device
         self.sizes = [s for s in CAPTURE_SIZES if s < max_rows] + [max_rows]
         B = self.sizes[-1]
@@ -45,21 +50,25 @@ class DecodeGraphs:
         v["rows"].fill_(mirror.shape[0] - 1)
         self.x = None if is_first else torch.zeros(B, hidden_size, dtype=dtype, device=dev)
         self.arange = torch.arange(B, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.greedy_head = greedy_head
+        # (size, ends in the greedy head) -> the graph and its output
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if not capture:
             return
         pool = torch.cuda.graph_pool_handle()
+        variants = (False, True) if greedy_head is not None else (False,)
         for b in reversed(self.sizes):  # largest first: the smaller ones reuse its pool
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: kernels compiled, workspaces made
-                for _ in range(2):
-                    self._step(b)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._step(b)
-            self.graphs[b] = (graph, out)
+            for head in variants:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up: kernels compiled, workspaces made
+                    for _ in range(2):
+                        self._work(b, head)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._work(b, head)
+                self.graphs[(b, head)] = (graph, out)
         torch.cuda.synchronize()
 
     @property
@@ -88,16 +97,30 @@ class DecodeGraphs:
             x = self.x[:b]
         return self.model(x, meta, self.kv_caches)
 
-    def run(self, staged: StagedDecode, x) -> torch.Tensor:
+    def _work(self, b: int, head: bool, seq_lens=None) -> torch.Tensor:
+        """A graph's whole work: the step, and with head its greedy tokens, each written to
+        its row's entry of fed_tokens (padding rows write the pad entry)."""
+        hidden = self._step(b, seq_lens)
+        if not head:
+            return hidden
+        tokens = self.greedy_head(hidden)
+        self.fed_tokens.index_copy_(0, self.inputs.views["rows"][:b], tokens)
+        return tokens
+
+    def run(self, staged: StagedDecode, x, head: bool = False) -> torch.Tensor:
         """Replay the graph of staged.b on the staged inputs (x: the activations, off the
-        first rank). The output rows [0, n) are cloned: the next replay rewrites them."""
+        first rank): rows [0, n) of its hidden states, or with head (the last rank, every
+        row greedy) of its greedy tokens, already in fed_tokens. The output is cloned: the
+        next replay rewrites it."""
         n, b = staged.n, staged.b
+        if head and self.greedy_head is None:
+            raise ValueError("head: these graphs were made without a greedy head")
         if not self.is_first:
             with phase("graph inputs"):
                 self.x[:n].copy_(x)
         if not self.capture:  # CPU tests: the same work, eagerly (host lists for the CPU kernel)
-            return self._step(b, self.inputs.views["ctx"][:b].tolist())[:n].clone()
-        graph, out = self.graphs[b]
+            return self._work(b, head, self.inputs.views["ctx"][:b].tolist())[:n].clone()
+        graph, out = self.graphs[(b, head)]
         with phase("graph replay"):
             graph.replay()
         with phase("graph output"):

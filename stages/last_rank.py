@@ -76,13 +76,32 @@ class LastRank:
         greedy = bool(b.greedy[slots].all())
         rows = hidden if inputs.samples_every_token else \
             hidden.index_select(0, inputs.device.sample_token_index)
-        logits = self.model.compute_logits(rows, upcast=not greedy)
         if greedy:  # no SamplingParams read: an argmax in the model's dtype
-            tokens = self.sampler.greedy(logits)
+            tokens = self.greedy_tokens(rows)
         else:
             params = [b.sampling[r] for r in slots.tolist()]
-            tokens = self.sampler.sample(logits, params, inputs.sample_output_index)
+            tokens = self.sampler.sample(self.model.compute_logits(rows), params,
+                                         inputs.sample_output_index)
         self.last_sampled[inputs.device.sample_slots] = tokens
+        self.defer(tokens, inputs, step)
+
+    def samples_in_graph(self, inputs: StepInputs) -> bool:
+        """Whether a staged decode step's samples can come from its graph's greedy head
+        (stages/cuda_graphs.py): every sampled row greedy, and nothing on the host needs
+        them before finish (_can_defer)."""
+        slots = inputs.sample_slots
+        return (inputs.staged is not None and self._can_defer(slots)
+                and bool(self.batch.greedy[slots].all()))
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The greedy head a decode graph ends in: every row's argmax, in the model's dtype."""
+        return self.sampler.greedy(self.model.compute_logits(hidden, upcast=False))
+
+    def defer(self, tokens: torch.Tensor, inputs: StepInputs, step: LaunchedStep) -> None:
+        """The step's samples (on the device, already in last_sampled) on their way to the
+        host: one pinned copy and one event, read in finish."""
+        b = self.batch
+        slots = inputs.sample_slots
         n = len(slots)
         if self.device == "cuda":
             host = self._pinned_tokens.next(n)  # a ring (invariant 2)

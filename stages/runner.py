@@ -155,12 +155,17 @@ class StageRunner:
             hidden_size=self.spec.hidden_size, max_rows=self.config.max_num_seqs,
             mirror=self.device_table.table, fed_tokens=self.fed_tokens,
             scratch_block=scratch_block, block_size=self.config.block_size, dtype=self.dtype,
-            depth=self.config.inflight_steps + 1, capture=capture)
+            depth=self.config.inflight_steps + 1, capture=capture,
+            # the last rank's greedy steps sample in the graph (not with drafts to verify)
+            greedy_head=self.last.greedy_tokens
+            if self.is_last and self.config.speculative_config is None else None)
 
-    def _forward(self, x: Optional[torch.Tensor], inputs: StepInputs) -> torch.Tensor:
-        """A staged decode step replays a CUDA graph; any other step runs eagerly."""
+    def _forward(self, x: Optional[torch.Tensor], inputs: StepInputs,
+                 head: bool = False) -> torch.Tensor:
+        """A staged decode step replays a CUDA graph (with head: one ending in the greedy
+        tokens); any other step runs eagerly."""
         if inputs.staged is not None:
-            return self.graphs.run(inputs.staged, x)
+            return self.graphs.run(inputs.staged, x, head=head)
         return self.model(x, inputs.meta, self.kv_caches)
 
     def init_transport(self, store) -> None:
@@ -274,8 +279,11 @@ class StageRunner:
         # After the device's waits for this step's inputs (activations, fed-back tokens),
         # in stream order: the span from here to gpu_end is the stage's own compute.
         gpu_start = self._record_event()
+        # the last rank's greedy decode step: its graph ends in the argmax (tokens, not hidden)
+        in_graph = self.is_last and self.graphs is not None \
+            and self.graphs.greedy_head is not None and self.last.samples_in_graph(inputs)
         with phase("forward"):
-            hidden = self._forward(x, inputs)
+            hidden = self._forward(x, inputs, head=in_graph)
         # While the device runs the step: the digests of the rows as the plan left them.
         t_digest = time.perf_counter()
         cfg = self.config
@@ -289,7 +297,10 @@ class StageRunner:
                             token_wait_s=token_wait_s)
         if self.is_last:
             with phase("sample"):
-                self.last.sample_step(plan.step_id, hidden, inputs, step)
+                if in_graph:
+                    self.last.defer(hidden, inputs, step)
+                else:
+                    self.last.sample_step(plan.step_id, hidden, inputs, step)
             if self.token_sender is not None:
                 with phase("send tokens"):
                     self.token_sender.send(plan.step_id, self._sampled_tokens(step))

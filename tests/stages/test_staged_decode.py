@@ -40,10 +40,10 @@ def _run(model_dir: str, prompts, params, staged: bool, max_num_seqs: int = 8):
     if staged:
         run = runner.graphs.run
 
-        def counting(st, x):
+        def counting(st, x, head=False):
             replays[0] += 1
-            sizes.add((st.n, st.b))
-            return run(st, x)
+            sizes.add((st.n, st.b, head))
+            return run(st, x, head=head)
 
         runner.graphs.run = counting
     for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -71,7 +71,9 @@ def test_staged_decode_equals_eager(tiny_model, sampled):
     staged, replays, sizes = _run(model, prompts, params, staged=True)
     assert none == 0
     assert replays > 20, f"only {replays} staged decode steps"
-    assert any(b > n for n, b in sizes), f"no padded replay among {sorted(sizes)}"
+    assert any(b > n for n, b, _ in sizes), f"no padded replay among {sorted(sizes)}"
+    # greedy steps sample in the graph's head, the others after it
+    assert {head for *_, head in sizes} == {not sampled}
     assert staged == eager
     if not sampled:
         for i, (p, m) in enumerate(zip(prompts, budgets)):
@@ -120,3 +122,18 @@ def test_mirror_has_a_pad_row_of_scratch_blocks(tiny_model):
     assert torch.equal(table[-1], torch.full_like(table[-1], 20))
     assert runner.graphs.inputs.pad_row == cfg.max_num_seqs
     assert runner.fed_tokens.shape[0] == cfg.max_num_seqs + 1
+
+
+def test_mixed_greedy_and_sampled_steps(tiny_model):
+    """Greedy requests beside sampled ones: steps whose rows are all greedy sample in the
+    graph's head, the others after the graph; outputs equal the eager path's."""
+    model = tiny_model("llama")
+    prompts, budgets = stress_workload(seed=54, num_requests=9, max_len=60, max_tokens=(12, 30))
+    # the sampled requests finish first: the greedy ones then run all-greedy steps
+    params = [SamplingParams(max_tokens=m if i % 3 else 4, ignore_eos=True,
+                             temperature=0.0 if i % 3 else 0.9, seed=i)
+              for i, m in enumerate(budgets)]
+    eager, _, _ = _run(model, prompts, params, staged=False)
+    staged, _, sizes = _run(model, prompts, params, staged=True)
+    assert {head for *_, head in sizes} == {False, True}
+    assert staged == eager
