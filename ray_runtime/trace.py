@@ -52,7 +52,9 @@ class PipelineTrace:
         if rank > 0:
             self._span(tid, "recv wait", t.start, t.recv_done, args)
             self.idle_s[rank] += t.recv_done - t.start
-        elif t.token_wait_s > 0:  # rank 0 waited for fed-back tokens (host path)
+        else:  # rank 0: applying the plan and staging inputs, before any wait
+            self._span(tid, "prepare", t.start, t.recv_done - t.token_wait_s, args)
+        if rank == 0 and t.token_wait_s > 0:  # rank 0 waited for fed-back tokens (host path)
             self._span(tid, "token wait", t.recv_done - t.token_wait_s, t.recv_done, args)
             self.idle_s[rank] += t.token_wait_s
         self._span(tid, "compute", t.recv_done, t.compute_done, args)

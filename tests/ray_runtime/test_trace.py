@@ -1,6 +1,8 @@
 """The pipeline trace's idle accounting (ray_runtime/trace.py): a later rank's wait for
 activations and gaps between steps are idle; rank 0's wait for the last rank's fed-back
 tokens is idle too (a rank 0 that blocks on them must not look busy)."""
+import statistics
+
 import pytest
 
 from ray_runtime.messages import StageTiming
@@ -39,3 +41,43 @@ def test_device_spans_get_a_track_per_stage():
     assert tr.phases == [None, {"launch": (1, 0.8)}]
     tracks = {e["args"]["name"] for e in tr.to_json()["traceEvents"] if e["ph"] == "M"}
     assert {"stage 0 gpu", "stage 1 gpu"} <= tracks
+
+
+def test_pipeline_timeline_reads_hops_and_the_feedback_loop():
+    """bench/pipeline_timeline.py on a synthetic PP=2 trace: two micro-batches, each stage's
+    device busy 1.0 ms a step; stage 1 starts 0.25 ms after stage 0 ends (a hop), and rank 0
+    runs a micro-batch's next step 0.5 ms after the last stage's device ends it."""
+    from bench.pipeline_timeline import timeline
+
+    tr = PipelineTrace(2, record_events=True)
+    g0 = {0: 0.0, 1: 1.0}  # rank 0's device starts (ms)
+    g1 = {}
+    for s in range(2, 40):  # micro-batch s % 2: its step s follows its step s - 2
+        g1[s - 2] = g0[s - 2] + 1.0 + 0.25
+        g0[s] = max(g0[s - 1] + 1.0, g1[s - 2] + 1.0 + 0.5)
+    for rank, g in ((0, g0), (1, g1)):
+        for s, t in sorted(g.items()):
+            t /= 1e3
+            tr.stage_step(rank, s, StageTiming(t - 2e-4, t - 1e-4, t, t + 1e-4, 0.0,
+                                               gpu_spans=[(s, t, t + 1e-3)]))
+    out = timeline(tr.to_json()["traceEvents"])
+    assert out["pp"] == 2
+    assert out["gpu_ms"] == [1.0, 1.0]
+    assert out["hop_ms"] == [0.25]
+    assert out["feedback_ms"] == 0.5
+    assert out["host_lead_ms"] == [0.2, 0.2]
+    # rank 0 alternates: it waits 0.75 ms for a micro-batch's fed tokens, then runs the
+    # other micro-batch at once (2.75 ms a round of two 1 ms steps)
+    lo, hi = out["window"]
+    gaps = [round(g0[s] - g0[s - 1] - 1.0, 6) for s in range(lo, hi)]
+    assert set(gaps) == {0.0, 0.75}
+    assert out["gap_before_ms"][0] == pytest.approx(statistics.median(gaps), abs=1e-3)
+
+
+def test_pipeline_timeline_needs_device_spans():
+    from bench.pipeline_timeline import timeline
+
+    tr = PipelineTrace(1, record_events=True)
+    tr.stage_step(0, 0, StageTiming(0.0, 0.0, 0.8, 1.0, 0.0))
+    with pytest.raises(ValueError, match="RAY_RUNTIME_PHASE_CLOCK"):
+        timeline(tr.to_json()["traceEvents"])

@@ -1,0 +1,93 @@
+"""Where a pipeline's device time goes between stages, from a pipeline trace written with the
+phase clock on (RAY_RUNTIME_PHASE_CLOCK=1 and --trace-dir in bench/pp_scaling.py: each stage's
+device spans on the hosts' time axis, stages/profiling.py). Over the steady middle half of
+the steps, medians in ms:
+
+  gpu_ms            a stage's device time per step
+  gap_before_ms     its device idle before a step (after its previous one)
+  hop_ms[k]         stage k's device end -> stage k+1's device start, same step: the transfer,
+                    plus waiting for stage k+1's host when that is late
+  feedback_ms       the last stage's device end of step s -> rank 0's device start of the
+                    micro-batch's next step (s + PP steps later with PP micro-batches)
+  host_lead_ms      a stage's device start - its host's launch start, same step: near 0 means
+                    the device waited for its host (the host sets the pace)
+
+  python bench/pipeline_timeline.py TRACE.json [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ray_runtime.trace import GPU_TID  # noqa: E402
+
+
+def spans(events: list[dict]) -> tuple[dict, dict]:
+    """Per rank {step: (start_ms, end_ms)} of the device, and of the host's launch (from
+    its first span of the step, "recv wait" or rank 0's "prepare", to the "compute" end)."""
+    gpu, host = collections.defaultdict(dict), collections.defaultdict(dict)
+    for e in events:
+        if e.get("ph") != "X" or "step" not in e.get("args", {}):
+            continue
+        step, t0, t1 = e["args"]["step"], e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3
+        if e["tid"] >= GPU_TID:
+            gpu[e["tid"] - GPU_TID][step] = (t0, t1)
+        elif e["tid"] >= 1 and e["name"] in ("recv wait", "prepare", "token wait", "compute"):
+            prev = host[e["tid"] - 1].get(step)
+            host[e["tid"] - 1][step] = (min(t0, prev[0]) if prev else t0,
+                                        t1 if e["name"] == "compute" else (prev or (t0, t1))[1])
+    return gpu, host
+
+
+def timeline(events: list[dict]) -> dict:
+    gpu, host = spans(events)
+    if not gpu:
+        raise ValueError("no device spans in the trace: run with RAY_RUNTIME_PHASE_CLOCK=1 on CUDA")
+    pp = max(gpu) + 1
+    steps = sorted(gpu[pp - 1])
+    window = range(steps[len(steps) // 4], steps[3 * len(steps) // 4])
+
+    def med(values) -> float | None:
+        values = list(values)
+        return round(statistics.median(values), 3) if values else None
+
+    def both(a: dict, sa: int, b: dict, sb: int) -> bool:
+        return sa in a and sb in b
+
+    return {
+        "pp": pp, "steps": len(steps), "window": [window.start, window.stop],
+        "gpu_ms": [med(gpu[k][s][1] - gpu[k][s][0] for s in window if s in gpu[k])
+                   for k in range(pp)],
+        "gap_before_ms": [med(gpu[k][s][0] - gpu[k][s - 1][1] for s in window
+                              if both(gpu[k], s, gpu[k], s - 1)) for k in range(pp)],
+        "hop_ms": [med(gpu[k + 1][s][0] - gpu[k][s][1] for s in window
+                       if both(gpu[k], s, gpu[k + 1], s)) for k in range(pp - 1)],
+        "feedback_ms": med(gpu[0][s + pp][0] - gpu[pp - 1][s][1] for s in window
+                           if both(gpu[pp - 1], s, gpu[0], s + pp)) if pp > 1 else None,
+        "host_lead_ms": [med(gpu[k][s][0] - host[k][s][0] for s in window
+                             if both(gpu[k], s, host[k], s)) for k in range(pp)],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("trace")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    opener = __import__("gzip").open if args.trace.endswith(".gz") else open
+    with opener(args.trace, "rt") as f:
+        out = {"trace": os.path.basename(args.trace), **timeline(json.load(f)["traceEvents"])}
+    print(json.dumps(out, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
