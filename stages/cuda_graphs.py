@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from kernels.paged_attention import DecodeLayout
@@ -20,6 +21,7 @@ from stages.graph_inputs import GraphInputs, StagedDecode
 from stages.model import AttentionMetadata
 from stages.profiling import phase
 
+_EMPTY = np.zeros(0, np.int64)
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
@@ -39,11 +41,13 @@ class DecodeGraphs:
         self.sizes = [s for s in CAPTURE_SIZES if s < max_rows] + [max_rows]
         B = self.sizes[-1]
         self.model, self.kv_caches = model, kv_caches
+        self.block_size = block_size
         self.is_first, self.capture = is_first, capture
         self.mirror, self.fed_tokens = mirror, fed_tokens
         mirror[-1].fill_(scratch_block)
         self.inputs = GraphInputs(B, mirror.shape[1], scratch_slot=scratch_block * block_size,
-                                  pad_row=mirror.shape[0] - 1, device=dev.type, depth=depth)
+                                  pad_row=mirror.shape[0] - 1, device=dev.type, depth=depth,
+                                  has_ids=is_first)
         v = self.inputs.views  # every row padding until a step writes it
         v["slots"].fill_(scratch_block * block_size)
         v["ctx"].fill_(1)
@@ -78,6 +82,23 @@ class DecodeGraphs:
     def size_for(self, n: int) -> int:
         """The captured size a step of n requests replays (n <= max_rows)."""
         return next(s for s in self.sizes if s >= n)
+
+    def stage(self, rows: np.ndarray, positions: np.ndarray, token_ids: np.ndarray,
+              patch_index: np.ndarray, sample_slots: np.ndarray, block_table: np.ndarray,
+              device_table) -> StagedDecode:
+        """A decode step (one token per row, at `positions`) staged for its graph: its inputs
+        in one copy, and the block table rows changed since the last step (device_table, a
+        DeviceBlockTable over this graph's mirror) scattered into the mirror."""
+        bs = self.block_size
+        slots = block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        fed = np.zeros(len(rows), np.int64) if self.is_first else _EMPTY
+        if self.is_first:
+            fed[patch_index] = 1
+        dirty_slots, dirty_rows = device_table.changes()
+        staged = self.inputs.stage(self.size_for(len(rows)), positions, slots, rows, token_ids,
+                                   fed, sample_slots, dirty_slots, dirty_rows)
+        device_table.apply(staged.dirty_slots, staged.dirty_rows)
+        return staged
 
     def _step(self, b: int, seq_lens=None) -> torch.Tensor:
         """The captured work of a step of size b, reading only the static inputs: the block

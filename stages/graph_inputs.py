@@ -10,7 +10,7 @@ each; this step writes their first b entries, the rows past n as padding:
   ctx           its context length after the step (position + 1)  1
   rows          its batch slot: the graph gathers its block table  the pad row (all scratch
                 from the device mirror and reads its fed sample     blocks; its fed entry is
-                by it                                               never written)
+                by it                                               never read)
   ids           first rank: its input id (0 where fed)         0
   fed           first rank: 1 where the id is the slot's latest fed sample (patched in the
                 graph from the device buffer of samples)       0
@@ -50,11 +50,12 @@ class StagedDecode:
 
 class GraphInputs:
     def __init__(self, capacity: int, table_width: int, *, scratch_slot: int, pad_row: int,
-                 device: str, depth: int = 2) -> None:
+                 device: str, depth: int = 2, has_ids: bool = True) -> None:
+        """has_ids: the first rank's graph reads input ids and fed flags."""
         if depth < 2:
             raise ValueError(f"depth: a staging ring needs at least 2 buffers, got {depth}")
         self.capacity, self.width = capacity, table_width
-        self.scratch_slot, self.pad_row = scratch_slot, pad_row
+        self.scratch_slot, self.pad_row, self.has_ids = scratch_slot, pad_row, has_ids
         self.is_cuda = device == "cuda"
         C = capacity
         self._tail = len(SEGMENTS) * C  # where the sampled slots start
@@ -74,6 +75,9 @@ class GraphInputs:
         """Pack and copy one step's inputs (n = len(rows) <= b <= capacity); ids and fed are
         empty off the first rank."""
         n, C = len(rows), self.capacity
+        if not 0 < n <= b <= C:
+            raise ValueError(f"a staged decode step needs 0 < rows <= size <= {C}; got {n} "
+                             f"rows for size {b}")
         i = self._turn
         self._turn = (i + 1) % len(self._host)
         if self._copied[i] is not None:
@@ -88,7 +92,7 @@ class GraphInputs:
         h[2 * C + n:2 * C + b] = 1
         h[3 * C:3 * C + n] = rows
         h[3 * C + n:3 * C + b] = self.pad_row
-        if len(ids):
+        if self.has_ids:
             h[4 * C:4 * C + n] = ids
             h[4 * C + n:4 * C + b] = 0
             h[5 * C:5 * C + n] = fed

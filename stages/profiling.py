@@ -56,6 +56,8 @@ class _Timed:
         self.t0 = time.perf_counter()
 
     def __exit__(self, *exc) -> None:
+        if _clock is None:  # the clock was stopped inside the phase
+            return
         entry = _clock.get(self.name)
         if entry is None:
             entry = _clock[self.name] = [0, 0.0]
@@ -76,6 +78,10 @@ def phase(name: str):
 
 
 _NULL = contextlib.nullcontext()
+
+
+def clock_on() -> bool:
+    return _clock is not None
 
 
 def phase_clock() -> Optional[dict]:
@@ -99,8 +105,11 @@ class DeviceClock:
             self.anchor.synchronize()
             self.t0 = time.time()
 
-    def wall(self, *events) -> tuple:
-        return tuple(self.t0 + self.anchor.elapsed_time(e) / 1e3 for e in events)
+    def wall(self, start, end) -> tuple[float, float]:
+        """(start, end) of a span on the wall clock; its length measured from start itself
+        (elapsed_time is float milliseconds: far from the anchor it loses microseconds)."""
+        t = self.t0 + self.anchor.elapsed_time(start) / 1e3
+        return t, t + start.elapsed_time(end) / 1e3
 
 
 def sync_debug_mode() -> Optional[str]:

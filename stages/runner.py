@@ -19,7 +19,6 @@ from ray_runtime.layer_span import LayerSpan
 from ray_runtime.messages import SamplerOutput, StageStepResult, StageTiming, StepPlan
 from ray_runtime.sampling_params import SamplingParams
 from stages.cuda_graphs import DecodeGraphs
-from stages.graph_inputs import StagedDecode
 from stages.device_state import DeviceBlockTable
 from stages.input_batch import InputBatch
 from stages.kv_cache import allocate_kv_cache, available_host_kv_bytes, bytes_per_block
@@ -27,7 +26,7 @@ from stages.last_rank import LastRank
 from stages.model import attention_metadata, build_stage, token_layout
 from stages.model_spec import ModelSpec
 from stages.plan_view import PlanView, plan_view
-from stages.profiling import DeviceClock, phase, phase_clock
+from stages.profiling import DeviceClock, clock_on, phase, phase_clock
 from stages.staging import InputStaging, to_device_async
 from stages.step_types import DeviceInputs, LaunchedStep, StepInputs
 from stages.token_feedback import TokenReceiver, TokenSender, num_samples
@@ -54,7 +53,7 @@ class StageRunner:
         self.batch = InputBatch(config.max_num_seqs, max_model_len, config.block_size)
         # [max_num_seqs + 1] each slot's latest sample on the device: the last rank's own
         # (PP=1) or those fed back to rank 0; a first rank's pending ids read it (the last
-        # entry belongs to the decode graphs' padding rows and is never written)
+        # entry is the decode graphs' padding rows': written by them, never read)
         self.fed_tokens = torch.zeros(config.max_num_seqs + 1, dtype=torch.long,
                                       device=self.device)
         self.last = LastRank(config, self.spec, self.model, self.batch, self.fed_tokens) \
@@ -69,6 +68,7 @@ class StageRunner:
         self.feeds_back = config.feeds_tokens_back
         self.token_sender: Optional[TokenSender] = None  # last rank
         self.token_receiver: Optional[TokenReceiver] = None  # rank 0
+        self._feedback_stream = None  # rank 0 on CUDA: the receivers' side stream
         self.batch.driver_resolves_pending = self.feeds_back and not (self.is_first or self.is_last)
         self.link_generation = 0  # how many times this rank has joined the link
         self.fault_hook = None  # tests only: called with the batch after each plan is applied
@@ -180,8 +180,11 @@ class StageRunner:
             if group is not None and self.is_last:
                 self.token_sender = TokenSender(group, self.device)
             elif group is not None and self.is_first:
+                if self._feedback_stream is None and self.device == "cuda":
+                    self._feedback_stream = torch.cuda.Stream()  # one for every receiver
                 self.token_receiver = TokenReceiver(group, self.device, cfg.max_num_seqs,
-                                                    cfg.inflight_steps, self.fed_tokens)
+                                                    cfg.inflight_steps, self.fed_tokens,
+                                                    self._feedback_stream)
             self.link_generation += 1
 
     def close_transport(self) -> None:
@@ -320,10 +323,9 @@ class StageRunner:
     def _fed_samples(self, patch_slots: np.ndarray) -> torch.Tensor:
         """[max_num_seqs] the device buffer of each slot's latest sample, made ready for the
         pending samples of patch_slots: the last rank's own (PP=1), or those fed back."""
-        if self.token_receiver is None:
-            return self.last.last_sampled
-        self.token_receiver.feed(patch_slots)
-        return self.token_receiver.last_sampled
+        if self.token_receiver is not None:
+            self.token_receiver.feed(patch_slots)
+        return self.fed_tokens
 
     def _sampled_tokens(self, step: "LaunchedStep") -> torch.Tensor:
         """The step's samples on the device, in the plan's sample order (one per request:
@@ -346,7 +348,7 @@ class StageRunner:
     @property
     def clock_spans(self) -> bool:
         """Whether replies carry the device spans of steps (the phase clock, on CUDA)."""
-        if self.device != "cuda" or phase_clock() is None:
+        if self.device != "cuda" or not clock_on():
             return False
         if self._clock_anchor is None:
             self._clock_anchor = DeviceClock()
@@ -445,11 +447,11 @@ class StageRunner:
         samples_every_token = len(sample) == len(positions)
         meta = staged = None
         if (self.graphs is not None and samples_every_token and len(rows) == len(positions)
-                and len(rows) <= self.graphs.max_rows):
+                and 0 < len(rows) <= self.graphs.max_rows):
             # A decode step that samples every row: staged into its graph's buffer.
             with phase("stage graph inputs"):
-                staged = self._stage_decode(rows, positions, token_ids, patch_index,
-                                            sample_slots)
+                staged = self.graphs.stage(rows, positions, token_ids, patch_index,
+                                           sample_slots, b.block_table, self.device_table)
             device = DeviceInputs(None, None, None, None, staged.sample_slots)
         else:
             with phase("attention metadata"):
@@ -470,23 +472,6 @@ class StageRunner:
                           sample_num_drafts=num_drafts, patch_index=patch_index,
                           patch_slot=patch_slot, device=device,
                           samples_every_token=samples_every_token, staged=staged)
-
-    def _stage_decode(self, rows: np.ndarray, positions: np.ndarray, token_ids: np.ndarray,
-                      patch_index: np.ndarray, sample_slots: np.ndarray) -> StagedDecode:
-        """One token per row at `positions`: the graph's inputs in one copy, and the block
-        table rows changed since the last step scattered into the device mirror."""
-        bs = self.config.block_size
-        slots = self.batch.block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
-        fed = _EMPTY
-        if self.is_first:
-            fed = np.zeros(len(rows), np.int64)
-            fed[patch_index] = 1
-        dirty_slots, dirty_rows = self.device_table.changes()
-        staged = self.graphs.inputs.stage(self.graphs.size_for(len(rows)), positions, slots,
-                                          rows, token_ids, fed, sample_slots, dirty_slots,
-                                          dirty_rows)
-        self.device_table.apply(staged.dirty_slots, staged.dirty_rows)
-        return staged
 
     def check(self) -> None:
         self.batch.check()

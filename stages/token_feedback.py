@@ -114,7 +114,8 @@ class TokenReceiver:
     that the input-id patch reads, and hands their values to the host when the step ends."""
 
     def __init__(self, group, device: str, max_num_seqs: int, max_inflight_steps: int = 1,
-                 last_sampled: Optional[torch.Tensor] = None) -> None:
+                 last_sampled: Optional[torch.Tensor] = None,
+                 stream: Optional["torch.cuda.Stream"] = None) -> None:
         self.group = group
         self.device = device
         # [>= max_num_seqs] each slot's latest fed sample (the patch reads a slot's entry only
@@ -126,7 +127,11 @@ class TokenReceiver:
         self.pending_step = np.full(max_num_seqs, -1, np.int64)
         self._incoming: deque[_Incoming] = deque()  # posted, in step order
         self.failed: Optional[str] = None  # set once a message is not what its step expected
-        self._stream = torch.cuda.Stream() if device == "cuda" else None
+        # CUDA: the side stream its scatters run on. A runner that re-forms the link hands
+        # each new receiver the same stream with the same last_sampled: a closed receiver's
+        # scatters still queued (the link reset dropped their messages) then run before the
+        # new receiver's, which every later read waits for.
+        self._stream = (stream or torch.cuda.Stream()) if device == "cuda" else None
         if self._stream is not None:
             # Written on the side stream: its memory is not reused before that work is done.
             self.last_sampled.record_stream(self._stream)

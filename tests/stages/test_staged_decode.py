@@ -98,7 +98,7 @@ def test_graph_inputs_pack_pads_and_copies_only_what_is_used():
     assert st.dirty_rows.tolist() == [[4, 5, 6]]
     # without dirty rows the copy stops after the sampled slots' segment
     st = gi.stage(2, positions=np.array([1]), slots=np.array([1]), rows=np.array([3]),
-                  ids=np.array([], np.int64), fed=np.array([], np.int64),
+                  ids=np.array([4]), fed=np.array([0]),
                   sample_slots=np.array([3]), dirty_slots=np.array([], np.int64),
                   dirty_rows=np.zeros((0, 3), np.int64))
     assert st.num_dirty == 0 and st.dirty_rows.shape == (0, 3)
@@ -107,6 +107,11 @@ def test_graph_inputs_pack_pads_and_copies_only_what_is_used():
     assert gi.device_buffer[rows_at + 3:].tolist() == [-7] * (3 * 8 - 3), "never copied"
     with pytest.raises(ValueError, match="depth"):
         GraphInputs(8, 3, scratch_slot=0, pad_row=0, device="cpu", depth=1)
+    with pytest.raises(ValueError, match="0 < rows <= size <= 8"):
+        gi.stage(9, positions=np.arange(9), slots=np.arange(9), rows=np.arange(9),
+                 ids=np.zeros(9, np.int64), fed=np.zeros(9, np.int64),
+                 sample_slots=np.arange(9), dirty_slots=np.array([], np.int64),
+                 dirty_rows=np.zeros((0, 3), np.int64))
 
 
 def test_mirror_has_a_pad_row_of_scratch_blocks(tiny_model):
