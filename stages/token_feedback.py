@@ -131,7 +131,8 @@ class TokenReceiver:
         # each new receiver the same stream with the same last_sampled: a closed receiver's
         # scatters still queued (the link reset dropped their messages) then run before the
         # new receiver's, which every later read waits for.
-        self._stream = (stream or torch.cuda.Stream()) if device == "cuda" else None
+        self._stream = None if device != "cuda" else \
+            stream if stream is not None else torch.cuda.Stream()
         if self._stream is not None:
             # Written on the side stream: its memory is not reused before that work is done.
             self.last_sampled.record_stream(self._stream)
