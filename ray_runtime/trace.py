@@ -28,6 +28,7 @@ class PipelineTrace:
         self.steps = [0] * pp_size
         # the latest phase clock totals per rank (StageTiming.phases), when it runs
         self.phases: list[Optional[dict]] = [None] * pp_size
+        self._gpu_ranks: set[int] = set()  # stages whose device spans arrived (a track each)
         self._first_start: list[Optional[float]] = [None] * pp_size
 
     def _span(self, tid: int, name: str, t0: float, t1: float, args: Optional[dict] = None) -> None:
@@ -66,6 +67,7 @@ class PipelineTrace:
             self.phases[rank] = t.phases
         for sid, g0, g1 in t.gpu_spans or ():
             self._span(GPU_TID + rank, "gpu", g0, g1, {"step": sid})
+            self._gpu_ranks.add(rank)
         self._last_end[rank] = max(prev or t.end, t.end)
 
     def idle_fractions(self) -> list[float]:
@@ -85,7 +87,7 @@ class PipelineTrace:
         names += [{"name": "thread_name", "ph": "M", "pid": 1, "tid": r + 1,
                    "args": {"name": f"stage {r}"}} for r in range(self.pp_size)]
         names += [{"name": "thread_name", "ph": "M", "pid": 1, "tid": GPU_TID + r,
-                   "args": {"name": f"stage {r} gpu"}} for r in range(self.pp_size)]
+                   "args": {"name": f"stage {r} gpu"}} for r in sorted(self._gpu_ranks)]
         names.append({"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "pipeline"}})
         return {"traceEvents": names + self.events, "displayTimeUnit": "ms"}
 
