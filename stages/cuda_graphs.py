@@ -91,8 +91,9 @@ class DecodeGraphs:
         DeviceBlockTable over this graph's mirror) scattered into the mirror."""
         bs = self.block_size
         slots = block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
-        fed = np.zeros(len(rows), np.int64) if self.is_first else _EMPTY
-        if self.is_first:
+        fed = _EMPTY
+        if self.is_first:  # 1 where the id is the slot's latest fed sample
+            fed = np.zeros(len(rows), np.int64)
             fed[patch_index] = 1
         dirty_slots, dirty_rows = device_table.changes()
         staged = self.inputs.stage(self.size_for(len(rows)), positions, slots, rows, token_ids,

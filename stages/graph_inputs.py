@@ -19,8 +19,8 @@ then, read outside the graph, variable-sized: the sampled slots, and the block t
 that changed since the last step (DeviceBlockTable), scattered into the mirror before the
 replay. Only the used extent is copied.
 
-Host buffers: a ring of `depth` pinned buffers; before one is rewritten the event after its
-last copy is waited on (docs/invariants.md, 2). The device buffer needs no such care: the
+Host buffers: a HostRing of `depth` pinned buffers (stages/staging.py: one is rewritten only
+once its last copy is done, docs/invariants.md 2). The device buffer needs no such care: the
 next copy is queued on the same stream, after the replay that reads it.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from stages.profiling import phase
+from stages.staging import HostRing
 
 SEGMENTS = ("positions", "slots", "ctx", "rows", "ids", "fed")
 
@@ -52,8 +52,6 @@ class GraphInputs:
     def __init__(self, capacity: int, table_width: int, *, scratch_slot: int, pad_row: int,
                  device: str, depth: int = 2, has_ids: bool = True) -> None:
         """has_ids: the first rank's graph reads input ids and fed flags."""
-        if depth < 2:
-            raise ValueError(f"depth: a staging ring needs at least 2 buffers, got {depth}")
         self.capacity, self.width = capacity, table_width
         self.scratch_slot, self.pad_row, self.has_ids = scratch_slot, pad_row, has_ids
         self.is_cuda = device == "cuda"
@@ -63,11 +61,7 @@ class GraphInputs:
         size = self._tail + 2 * C + C * table_width
         self.device_buffer = torch.zeros(size, dtype=torch.int64, device=device)
         self.views = {name: self.device_buffer[i * C:(i + 1) * C] for i, name in enumerate(SEGMENTS)}
-        self._host = [torch.zeros(size, dtype=torch.int64, pin_memory=self.is_cuda)
-                      for _ in range(depth)]
-        self._host_np = [h.numpy() for h in self._host]
-        self._copied = [None] * depth
-        self._turn = 0
+        self._ring = HostRing(size, depth, cuda=self.is_cuda)
 
     def stage(self, b: int, positions: np.ndarray, slots: np.ndarray, rows: np.ndarray,
               ids: np.ndarray, fed: np.ndarray, sample_slots: np.ndarray,
@@ -78,12 +72,8 @@ class GraphInputs:
         if not 0 < n <= b <= C:
             raise ValueError(f"a staged decode step needs 0 < rows <= size <= {C}; got {n} "
                              f"rows for size {b}")
-        i = self._turn
-        self._turn = (i + 1) % len(self._host)
-        if self._copied[i] is not None:
-            with phase("staging wait"):
-                self._copied[i].synchronize()  # normally long done: `depth` steps ago
-        h = self._host_np[i]
+        i = self._ring.take()
+        h = self._ring.arrays[i]
         h[0:n] = positions
         h[n:b] = 0
         h[C:C + n] = slots
@@ -105,13 +95,7 @@ class GraphInputs:
         h[rows_at:end] = dirty_rows.reshape(-1)
         used = end if d else t + C
         dev = self.device_buffer
-        if self.is_cuda:
-            dev[:used].copy_(self._host[i][:used], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-            self._copied[i] = ev
-        else:
-            dev[:used].copy_(self._host[i][:used])
+        self._ring.copy_to(i, dev, used)
         return StagedDecode(n=n, b=b, sample_slots=dev[t:t + k], num_dirty=d,
                             dirty_slots=dev[t + C:t + C + d],
                             dirty_rows=dev[rows_at:end].view(d, self.width))

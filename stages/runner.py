@@ -283,8 +283,8 @@ class StageRunner:
         # in stream order: the span from here to gpu_end is the stage's own compute.
         gpu_start = self._record_event()
         # the last rank's greedy decode step: its graph ends in the argmax (tokens, not hidden)
-        in_graph = self.is_last and self.graphs is not None \
-            and self.graphs.greedy_head is not None and self.last.samples_in_graph(inputs)
+        in_graph = self.is_last and self.last.samples_in_graph(inputs) \
+            and self.graphs.greedy_head is not None  # (a staged step has graphs)
         with phase("forward"):
             hidden = self._forward(x, inputs, head=in_graph)
         # While the device runs the step: the digests of the rows as the plan left them.

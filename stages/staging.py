@@ -50,15 +50,51 @@ def unpack(buffer, arrays: list[np.ndarray], offsets: list[int]) -> list:
     return [buffer[o:o + a.size].view(a.shape) for o, a in zip(offsets, arrays)]
 
 
-class InputStaging:
-    def __init__(self, device: str, capacity: int = 1 << 16, depth: int = 2) -> None:
+class HostRing:
+    """`depth` int64 host buffers of `size`, pinned on CUDA, taken in turn for host-to-device
+    copies: a buffer is handed out again only once the copy made from it is done (the event
+    recorded after it is waited on), so a copy in flight is never overwritten
+    (docs/invariants.md, 2). Serves InputStaging and a graph's GraphInputs."""
+
+    def __init__(self, size: int, depth: int, cuda: bool) -> None:
+        self.check_depth(depth)
+        self.cuda = cuda
+        self.buffers = [torch.zeros(size, dtype=torch.int64, pin_memory=cuda)
+                        for _ in range(depth)]
+        self.arrays = [b.numpy() for b in self.buffers]  # the same memory, for packing
+        self._copied = [None] * depth  # the event after each buffer's last copy (CUDA)
+        self._turn = 0
+
+    @staticmethod
+    def check_depth(depth: int) -> None:
         if depth < 2:
             raise ValueError(f"depth: a staging ring needs at least 2 buffers, got {depth}")
+
+    def take(self) -> int:
+        """The next buffer's index, free to rewrite."""
+        i = self._turn
+        self._turn = (i + 1) % len(self.buffers)
+        if self._copied[i] is not None:
+            with phase("staging wait"):
+                self._copied[i].synchronize()  # normally long done: `depth` steps ago
+        return i
+
+    def copy_to(self, i: int, device_buffer: torch.Tensor, used: int) -> None:
+        """The first `used` entries of buffer i into device_buffer (non-blocking on CUDA)."""
+        device_buffer[:used].copy_(self.buffers[i][:used], non_blocking=self.cuda)
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record()
+            self._copied[i] = ev
+
+
+class InputStaging:
+    def __init__(self, device: str, capacity: int = 1 << 16, depth: int = 2) -> None:
+        HostRing.check_depth(depth)
         self.device = device
         self.depth = depth
         self.is_cuda = device == "cuda"
         self._capacity = 0
-        self._turn = 0
         if self.is_cuda:
             self._grow(capacity)
 
@@ -66,10 +102,7 @@ class InputStaging:
         # Old buffers stay alive while an in-flight copy holds them (torch's caching host
         # allocator records the copy's stream), so replacing them here is safe.
         self._capacity = capacity
-        self._host = [torch.empty(capacity, dtype=torch.int64, pin_memory=True)
-                      for _ in range(self.depth)]
-        self._host_np = [h.numpy() for h in self._host]
-        self._copied = [None] * self.depth  # the event after each host buffer's last copy
+        self._ring = HostRing(capacity, self.depth, cuda=True)
         self._dev = torch.empty(capacity, dtype=torch.int64, device=self.device)
 
     def __call__(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
@@ -79,14 +112,7 @@ class InputStaging:
         offsets, total = packed_offsets([a.size for a in arrays])
         if total > self._capacity:
             self._grow(max(total, 2 * self._capacity))
-        i = self._turn
-        self._turn = (i + 1) % self.depth
-        if self._copied[i] is not None:
-            with phase("staging wait"):
-                self._copied[i].synchronize()  # normally long done: `depth` steps ago
-        pack(arrays, offsets, self._host_np[i])
-        self._dev[:total].copy_(self._host[i][:total], non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record()
-        self._copied[i] = ev
+        i = self._ring.take()
+        pack(arrays, offsets, self._ring.arrays[i])
+        self._ring.copy_to(i, self._dev, total)
         return unpack(self._dev, arrays, offsets)
