@@ -3,7 +3,8 @@ greedy agreement with HF on the GPU (fp32 exact, bf16 as a rate), a sampled work
 draws equal across PP sizes and within a batch), and throughput against HF `generate` on the
 same GPU, PP=1 vs PP=2, async vs sync.
 
-  python bench/gpu_check.py [--requests 64] [--max-tokens 64] [--skip-throughput] [--sync-debug error]
+  python bench/gpu_check.py [--requests 64] [--max-tokens 64] [--skip-throughput | --fp32-only]
+                           [--sync-debug error]
 
 Every stage runs with RAY_RUNTIME_SYNC_DEBUG=error unless told otherwise: a step whose launch
 makes the host wait for the device (a copy from pageable memory, .item(), .tolist()) fails.
@@ -220,6 +221,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--root", default="/tmp/ray_runtime_gpu")
     p.add_argument("--skip-throughput", action="store_true")
+    p.add_argument("--fp32-only", action="store_true",
+                   help="only the float32 greedy agreement (every PP size and split), ~1 minute")
     p.add_argument("--sync-debug", default="error", choices=["error", "warn", "off"],
                    help="RAY_RUNTIME_SYNC_DEBUG for every stage: with error, a step that makes "
                         "its host wait for the device fails the check (stages/profiling.py)")
@@ -238,6 +241,10 @@ def main() -> None:
     parts = [None] * len(pps) + [halves[n] for n in pps if n in halves]
     result["agreement"] += agreement(small, "float32", pps + [n for n in pps if n in halves],
                                      32, 32, rng, parts)
+    if args.fp32_only:
+        print("wrote", save("gpu_check", result))
+        ray.shutdown()
+        return
     result["agreement"] += agreement(small, "bfloat16", pps[:1], 200, 32, rng)
     result["sampled"] = sampled(small, pps, 48, 24, rng)
     result["seeded_noise_bits_equal_cpu"] = seeded_noise_matches_cpu()

@@ -13,8 +13,15 @@ pp{N}_out{L}_fixed_batch_ceiling = tput(PP=1, B/N requests) / tput(PP=1, B reque
 linear (measured on the PP=1 engine: round time t1(B/N) for B tokens, against N x B / t1(B)).
 pp{N}_out{L}_of_ceiling = efficiency / ceiling is how close the pipeline comes to it.
 
+With --matched, PP=N runs N x --requests requests instead (max_num_seqs too), so each of its
+micro-batches is the PP=1 batch: pp{N}_out{L}_matched_scaling_efficiency = tput(PP=N, N x B) /
+(N x tput(PP=1, B)) is the pipeline's own efficiency (bubbles, hops, host), without the
+fixed-batch arithmetic. PP=1 then also runs the N x B requests in one batch on its GPU, and
+pp{N}_out{L}_pp1_same_total_gain = tput(PP=1, N x B) / tput(PP=1, B) says what a bigger batch
+alone buys the one GPU (the matched figure's caveat).
+
   python bench/pp_scaling.py [--requests 256] [--input-len 256] [--output-len 128 512] [--pp 1 2 4]
-                             [--feedback on off] [--modes async sync] [--partition even 17,15]
+                             [--matched] [--feedback on off] [--modes async sync] [--partition even 17,15]
                              [--layers 16] [--trace-dir DIR] [--tag h200x2]
 
 With RAY_RUNTIME_PHASE_CLOCK=1 in the environment each row also has
@@ -155,6 +162,9 @@ def main() -> None:
     p.add_argument("--partition", nargs="+", default=["balanced"],
                    help="PP>1 layer partitions to run side by side: 'balanced' (the default "
                         "split), 'even', or layers per stage, e.g. 17,15")
+    p.add_argument("--matched", action="store_true",
+                   help="PP=N runs N x --requests (each micro-batch the PP=1 batch); PP=1 runs "
+                        "those totals too")
     args = p.parse_args()
     import ray
 
@@ -165,8 +175,9 @@ def main() -> None:
     print(f"checkpoint ready in {time.perf_counter() - t0:.0f}s", flush=True)
     ray.init(runtime_env={"env_vars": gpu_ray_env()}, include_dashboard=False)
     rng = random.Random(0)
+    scale = max(args.pp) if args.matched else 1
     reqs = [{"prompt_token_ids": [rng.randrange(3, 128000) for _ in range(args.input_len)]}
-            for _ in range(args.requests)]
+            for _ in range(args.requests * scale)]
     rows = []
     runs = [(pp, m, fb, n, part) for pp in args.pp for m in args.modes
             for fb in (args.feedback if pp > 1 and m == "async" else ["on"])
@@ -174,11 +185,13 @@ def main() -> None:
             for part in (args.partition if pp > 1 else ["balanced"])]
     longest = max(args.output_len)
     for pp, mode, fb, inflight, part in runs:
-        blocks = args.requests * ((args.input_len + longest) // 16 + 2)
+        # PP=N's requests: N x B when matched (PP=1 holds the largest total for its extra rows)
+        held = args.requests * ((scale if pp == 1 else pp) if args.matched else 1)
+        blocks = held * ((args.input_len + longest) // 16 + 2)
         name = f"pp{pp}_{mode}" + (f"_feedback_{fb}" if pp > 1 and mode == "async" else "") \
             + partition_suffix(part)
         with LLM(model, pipeline_parallel_size=pp, device="cuda", dtype="bfloat16",
-                 max_num_seqs=args.requests, max_num_batched_tokens=8192, num_kv_blocks=blocks,
+                 max_num_seqs=held, max_num_batched_tokens=8192, num_kv_blocks=blocks,
                  max_model_len=args.input_len + longest + 16,
                  async_scheduling=mode == "async", max_inflight_steps=inflight or None,
                  pp_token_feedback=fb == "on",
@@ -187,11 +200,13 @@ def main() -> None:
                  if args.trace_dir else None) as llm:
             # Warm-up: every prefill and decode shape of the workload (kernels compiled and
             # tuned, graphs replayed once) before anything is timed.
-            llm.generate(reqs, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-            # PP=1 also runs each micro-batch's share of the requests alone: the ceiling.
-            shares = [args.requests] + ([args.requests // n for n in (args.ceiling_pp or args.pp)
-                                         if n > 1]
-                                        if pp == 1 and mode == "async" else [])
+            llm.generate(reqs[:held], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+            # PP=1 also runs each micro-batch's share of the requests alone: the ceiling
+            # (matched: the PP=N totals in one batch instead).
+            extra = [args.requests * n for n in args.pp if n > 1] if args.matched else \
+                [args.requests // n for n in (args.ceiling_pp or args.pp) if n > 1]
+            shares = [held if pp > 1 else args.requests] + \
+                (extra if pp == 1 and mode == "async" else [])
             for out_len, num in [(L, n) for L in args.output_len for n in shares]:
                 sp = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
                 b = llm.stats()
@@ -222,12 +237,21 @@ def main() -> None:
                     rows[-1]["stage_phase_ms_per_step"] = phases
                 print(rows[-1], flush=True)
     result = {"model": {"shape": "Llama-3-8B", **SHAPE, "num_hidden_layers": args.layers, "dtype": "bfloat16", "weights": "random"},
-              "workload": {"requests": args.requests, "input_len": args.input_len,
+              "workload": {"requests": args.requests, "matched": args.matched, "input_len": args.input_len,
                            "output_len": args.output_len, "ignore_eos": True}, "rows": rows}
     pp1 = {(r["output_len"], r["requests"]): r["output_tok_s"] for r in rows
            if r["pp"] == 1 and r["async"]}
     for r in rows:
         base = pp1.get((r["output_len"], args.requests))
+        if args.matched and r["pp"] > 1 and r["async"] and base:
+            key = f"pp{r['pp']}_out{r['output_len']}" + ("" if r["feedback"] else "_no_feedback") \
+                + partition_suffix(r["partition"])
+            result[key + "_matched_scaling_efficiency"] = round(
+                r["output_tok_s"] / (r["pp"] * base), 3)
+            same = pp1.get((r["output_len"], r["requests"]))
+            if same:
+                result[f"pp{r['pp']}_out{r['output_len']}_pp1_same_total_gain"] = round(same / base, 3)
+            continue
         if r["pp"] > 1 and r["async"] and base:
             key = f"pp{r['pp']}_out{r['output_len']}" + ("" if r["feedback"] else "_no_feedback") \
                 + (f"_inflight{r['max_inflight_steps']}" if args.inflight != [0] else "") \
@@ -253,7 +277,7 @@ def main() -> None:
             part = partition_suffix(r["partition"])
             result[f"async_speedup_pp{r['pp']}_out{r['output_len']}{part}"] = round(
                 r["output_tok_s"] / sync[key], 3)
-    print({k: v for k, v in result.items() if "efficiency" in k or "speedup" in k or "ceiling" in k})
+    print({k: v for k, v in result.items() if "efficiency" in k or "speedup" in k or "ceiling" in k or "gain" in k})
     ray.shutdown()
     print("wrote", save("pp_scaling" + (f"_{args.tag}" if args.tag else ""), result))
 
