@@ -231,7 +231,8 @@ def main() -> None:
                     "stage_launch_ms_per_step": per_step(st, b, "stage_launch_s"),
                     "stage_gpu_ms_per_step": per_step(st, b, "stage_gpu_busy_s"),
                     "driver_s": {k: round(st[f"driver_{k}_s"] - b[f"driver_{k}_s"], 3)
-                                 for k in ("plan", "wait", "audit")}})
+                                 for k in ("plan", "wait", "audit", "gc")},
+                    "driver_gc_max_s": st["driver_gc_max_s"]})
                 phases = phase_ms_per_step(st, b)
                 if phases is not None:
                     rows[-1]["stage_phase_ms_per_step"] = phases

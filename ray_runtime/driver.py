@@ -19,6 +19,7 @@ from ray_runtime.config import EngineConfig
 from ray_runtime.layer_span import stage_spans
 from ray_runtime.engine_core import EngineCore
 from ray_runtime.engine_loop import EngineLoop
+from ray_runtime.gc_pauses import GcPauses, settle_heap
 from ray_runtime.link import reset_link
 from ray_runtime.messages import RequestDelta, RequestSpec
 from ray_runtime.ranks import ChannelRanks
@@ -54,6 +55,11 @@ class Driver:
                                eos_token_ids=self.spec.eos_token_ids, engine_id=self.engine_id,
                                replace_ranks=self._replace_ranks,
                                reset_link=lambda: reset_link(self.stages, config, None))
+        # The start-up heap frozen and collections timed (ray_runtime/gc_pauses.py): a
+        # collection here stops planning, and every stage starves with it.
+        settle_heap()
+        self.gc = GcPauses(on_pause=lambda t0, t1, gen: self.core.trace.driver_span(
+            "gc", t0, t1, generation=gen))
         self.loop = EngineLoop(self.core, on_idle=self._write_trace)
 
     def __repr__(self) -> str:
@@ -132,6 +138,9 @@ class Driver:
         out = self.core.stats()
         # where each stage runs: rank, layers, node id and address, pid, GPU ids
         out["stage_placement"] = [dict(p) for p in self.stage_placement]
+        gc_totals = self.gc.snapshot()  # this process's collections since start-up
+        out["driver_gc_s"], out["driver_gc_max_s"] = gc_totals["total_s"], gc_totals["max_s"]
+        out["driver_gc"] = gc_totals
         return out
 
     def metrics_snapshot(self) -> Optional[dict]:
@@ -163,6 +172,7 @@ class Driver:
 
     def shutdown(self) -> None:
         self.loop.stop()
+        self.gc.close()
         self._write_trace()
         if self.core.metrics is not None:
             self.core.metrics.close()

@@ -11,6 +11,7 @@ import os
 from typing import Callable, Optional
 
 from ray_runtime.config import EngineConfig
+from ray_runtime.gc_pauses import settle_heap
 from ray_runtime.layer_span import LayerSpan
 from stages import profiling
 from stages.runner import StageRunner
@@ -122,6 +123,7 @@ class StageWorker:
         address, an OS-chosen port)."""
         import ray
 
+        settle_heap()  # the loaded model's heap frozen before the first step (gc_pauses.py)
         self.loop = StepLoop(self.runner, ray.util.get_node_ip_address())
         return self.loop.address
 

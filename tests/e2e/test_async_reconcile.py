@@ -5,6 +5,7 @@ import json
 import pytest
 
 from ray_runtime import LLM, SamplingParams
+from ray_runtime.gc_pauses import GEN0_THRESHOLD
 from tests.conftest import stress_workload
 from tests.e2e import faults
 from tests.reference import assert_matches, hf_greedy
@@ -135,3 +136,8 @@ def test_trace_file_is_valid_chrome_trace(ray_cluster, tiny_model, tmp_path):
     assert {(1, "compute"), (2, "compute"), (2, "recv wait"), (0, "plan"), (0, "wait")} <= by_track
     assert len(stats["stage_idle_fraction"]) == 2
     assert all(0.0 <= f < 1.0 for f in stats["stage_idle_fraction"])
+    # the driver's start-up heap frozen, its collections timed (ray_runtime/gc_pauses.py)
+    gc_stats = stats["driver_gc"]
+    assert gc_stats["frozen_objects"] > 0 and gc_stats["threshold"][0] == GEN0_THRESHOLD
+    assert stats["driver_gc_s"] == gc_stats["total_s"] >= gc_stats["max_s"] >= 0
+    assert all(e["tid"] == 0 for e in spans if e["name"] == "gc")
