@@ -34,7 +34,7 @@ def test_even_split_puts_extra_layers_first():
 
 def test_balanced_split_counts_the_head():
     assert balanced_partition(32, 2) == (16.5, 15.5)
-    assert balanced_partition(32, 4) == (8.5, 8.5, 8, 7)
+    assert balanced_partition(32, 4) == (8, 8.5, 8.5, 7)
     assert balanced_partition(5, 2) == (3, 2) and balanced_partition(7, 4) == (2, 2, 2, 1)
     assert stage_spans(32, 2, None) == stage_spans(32, 2, "balanced") == \
         stage_spans(32, 2, (16.5, 15.5))
