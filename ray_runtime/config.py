@@ -165,6 +165,12 @@ class EngineConfig:
         return self.pipeline_parallel_size if self.feeds_tokens_back else 1
 
     @property
+    def max_lane_size(self) -> int:
+        """The most requests one micro-batch (lane) holds, so the most rows a decode step
+        has: what a stage's decode graphs are captured up to."""
+        return lane_capacity(self.max_num_seqs, self.num_microbatches)
+
+    @property
     def num_speculative_tokens(self) -> int:
         return self.speculative_config.num_speculative_tokens if self.speculative_config else 0
 
@@ -213,6 +219,11 @@ class EngineConfig:
             raise bad("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise bad("kv_cache_memory_fraction", f"must be in (0, 1], got {self.kv_cache_memory_fraction}")
+
+
+def lane_capacity(max_num_seqs: int, num_lanes: int) -> int:
+    """A lane's share of max_num_seqs: the scheduler admits no more into one lane."""
+    return -(-max_num_seqs // num_lanes)
 
 
 def default_inflight_steps(pp: int, feeds_tokens_back: bool = True) -> int:

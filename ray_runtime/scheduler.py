@@ -45,6 +45,7 @@ from typing import Optional
 
 import msgspec
 
+from ray_runtime.config import lane_capacity
 from ray_runtime.kv_blocks import BlockManager
 from ray_runtime.messages import (
     CachedRequestData,
@@ -331,12 +332,14 @@ class Scheduler:
             nums.append(num_new)
             budget -= num_new
 
-        # A lane admits up to its fair share of all requests (running and waiting), so the
-        # micro-batches stay even as requests come and go.
+        # A lane admits up to its fair share of the requests that can run (running and
+        # waiting, at most max_num_seqs), so the micro-batches stay even as requests come and
+        # go, and a queue deeper than max_num_seqs does not fill the first lane alone.
         lane_size = share = 0
         if lane is not None and self.waiting:
             lane_size = sum(1 for r in self.running if r.lane == lane)
-            share = -(-(len(self.running) + len(self.waiting)) // self.num_lanes)
+            runnable = min(self.max_num_seqs, len(self.running) + len(self.waiting))
+            share = lane_capacity(runnable, self.num_lanes)
         # Admitting after a preemption in the same step would only thrash.
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs
@@ -570,9 +573,20 @@ class Scheduler:
             req.num_computed_tokens -= rejected
             self.num_rolled_back_blocks += self.blocks.trim(req.req_id, self._kv_target(req, 0))
 
+    @property
+    def max_lane_size(self) -> int:
+        """The most requests one lane holds: its share of max_num_seqs (what a stage's decode
+        graphs are captured up to)."""
+        return lane_capacity(self.max_num_seqs, self.num_lanes)
+
     def check(self) -> None:
         self.blocks.check()
         assert len(self.running) <= self.max_num_seqs
+        if self.num_lanes > 1:
+            sizes = [0] * self.num_lanes
+            for req in self.running:
+                sizes[req.lane] += 1
+            assert max(sizes) <= self.max_lane_size, f"lane sizes {sizes} over {self.max_lane_size}"
         for req in self.running:
             assert req.status is RequestStatus.RUNNING
             assert 0 <= req.num_computed_tokens <= \

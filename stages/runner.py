@@ -152,7 +152,7 @@ class StageRunner:
         scratch_block a block no request owns."""
         self.graphs = DecodeGraphs(
             self.model, self.kv_caches, is_first=self.is_first,
-            hidden_size=self.spec.hidden_size, max_rows=self.config.max_num_seqs,
+            hidden_size=self.spec.hidden_size, max_rows=self.config.max_lane_size,
             mirror=self.device_table.table, fed_tokens=self.fed_tokens,
             scratch_block=scratch_block, block_size=self.config.block_size, dtype=self.dtype,
             depth=self.config.inflight_steps + 1, capture=capture,

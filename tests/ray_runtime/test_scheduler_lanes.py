@@ -91,3 +91,31 @@ def test_lanes_stay_even_when_requests_arrive_later_and_finish_staggered():
 def test_one_request_runs_alone_in_its_lane():
     outs, lanes, most = run(2, [[7, 8, 9]], [10], inflight=4)
     assert len(outs["r0"]) == 10 and set(lanes) == {0} and most == 2
+
+
+def test_a_queue_deeper_than_max_num_seqs_fills_every_lane():
+    """Short prompts, a budget that admits all of them at once and more requests waiting than
+    max_num_seqs: each lane gets its share of the slots there are (max_num_seqs / lanes), not
+    the first lane all of them (which left the other micro-batches empty: PP>1 ran one
+    micro-batch at a time)."""
+    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=4096, num_kv_blocks=512, block_size=4,
+                  max_model_len=512, allow_placeholders=True, num_lanes=2)
+    for i in range(40):
+        s.add_request(Request(f"r{i}", [5] * 8, SamplingParams(max_tokens=4, ignore_eos=True),
+                              frozenset(), i))
+    first, second = s.schedule(), s.schedule()
+    assert len(first.plan.scheduled_req_ids) == len(second.plan.scheduled_req_ids) == 4
+    assert {s.requests[r].lane for r in first.plan.scheduled_req_ids} == {0}
+    assert {s.requests[r].lane for r in second.plan.scheduled_req_ids} == {1}
+    s.check()
+
+
+def test_lanes_stay_even_with_a_deep_queue_through_the_run():
+    prompts = [[4 + i % 5] * 6 for i in range(40)]
+    budgets = [3 + (i * 7) % 11 for i in range(40)]
+    outs, lanes, _ = run(4, prompts, budgets, inflight=8, budget=512)
+    ref, _, _ = run(1, prompts, budgets, inflight=1, budget=512)
+    assert outs == ref
+    assert lanes[:8] == [0, 1, 2, 3] * 2, f"a lane went unplanned while the queue was deep: {lanes}"
+    counts = [lanes[:40].count(k) for k in range(4)]
+    assert max(counts) - min(counts) <= 1, counts
