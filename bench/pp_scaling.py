@@ -21,7 +21,7 @@ pp{N}_out{L}_pp1_same_total_gain = tput(PP=1, N x B) / tput(PP=1, B) says what a
 alone buys the one GPU (the matched figure's caveat).
 
   python bench/pp_scaling.py [--requests 256] [--input-len 256] [--output-len 128 512] [--pp 1 2 4]
-                             [--matched] [--feedback on off] [--modes async sync] [--partition even 17,15]
+                             [--matched] [--max-num-seqs N] [--feedback on off] [--modes async sync] [--partition even 17,15]
                              [--layers 16] [--trace-dir DIR] [--tag h200x2]
 
 With RAY_RUNTIME_PHASE_CLOCK=1 in the environment each row also has
@@ -162,6 +162,9 @@ def main() -> None:
     p.add_argument("--partition", nargs="+", default=["balanced"],
                    help="PP>1 layer partitions to run side by side: 'balanced' (the default "
                         "split), 'even', or layers per stage, e.g. 17,15")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="the engine's max_num_seqs (default: every request held at once); "
+                        "below --requests the rest wait in the queue")
     p.add_argument("--matched", action="store_true",
                    help="PP=N runs N x --requests (each micro-batch the PP=1 batch); PP=1 runs "
                         "those totals too")
@@ -191,7 +194,7 @@ def main() -> None:
         name = f"pp{pp}_{mode}" + (f"_feedback_{fb}" if pp > 1 and mode == "async" else "") \
             + partition_suffix(part)
         with LLM(model, pipeline_parallel_size=pp, device="cuda", dtype="bfloat16",
-                 max_num_seqs=held, max_num_batched_tokens=8192, num_kv_blocks=blocks,
+                 max_num_seqs=args.max_num_seqs or held, max_num_batched_tokens=8192, num_kv_blocks=blocks,
                  max_model_len=args.input_len + longest + 16,
                  async_scheduling=mode == "async", max_inflight_steps=inflight or None,
                  pp_token_feedback=fb == "on",
@@ -238,7 +241,8 @@ def main() -> None:
                     rows[-1]["stage_phase_ms_per_step"] = phases
                 print(rows[-1], flush=True)
     result = {"model": {"shape": "Llama-3-8B", **SHAPE, "num_hidden_layers": args.layers, "dtype": "bfloat16", "weights": "random"},
-              "workload": {"requests": args.requests, "matched": args.matched, "input_len": args.input_len,
+              "workload": {"requests": args.requests, "matched": args.matched,
+                           "max_num_seqs": args.max_num_seqs, "input_len": args.input_len,
                            "output_len": args.output_len, "ignore_eos": True}, "rows": rows}
     pp1 = {(r["output_len"], r["requests"]): r["output_tok_s"] for r in rows
            if r["pp"] == 1 and r["async"]}
