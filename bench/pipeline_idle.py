@@ -4,7 +4,7 @@ own accounting (stats()["stage_idle_fraction"]).
 
   python bench/pipeline_idle.py [--pp 1 2 4] [--requests 64] [--max-tokens 32]
       [--modes sync async async_no_feedback] [--hidden 256 --layers 8] [--device cpu]
-      [--dtype float32] [--trace-dir DIR] [--tag NAME]
+      [--dtype float32] [--max-num-seqs N] [--trace-dir DIR] [--tag NAME]
 
 Idle = waiting for the previous stage's activations + gaps between steps, over busy + idle.
 """
@@ -30,6 +30,8 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="default: every request at once; below --requests the rest queue")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--model-dir", default="/tmp/ray_runtime_bench/llama_idle")
@@ -61,7 +63,8 @@ def main() -> None:
             async_scheduling = mode != "sync"
             trace = os.path.join(args.trace_dir, f"pp{pp}_{mode}.json") if args.trace_dir else None
             with LLM(model, pipeline_parallel_size=pp, device=args.device, dtype=args.dtype,
-                     max_num_seqs=args.requests, max_num_batched_tokens=args.max_num_batched_tokens,
+                     max_num_seqs=args.max_num_seqs or args.requests,
+                     max_num_batched_tokens=args.max_num_batched_tokens,
                      async_scheduling=async_scheduling, pp_token_feedback=mode == "async",
                      trace_file=trace) as llm:
                 llm.generate(prompts[:2], SamplingParams(max_tokens=2))  # warm-up
@@ -95,6 +98,7 @@ def main() -> None:
                                             "dtype": args.dtype, "weights": "random"},
                                   "workload": {"requests": args.requests, "prompt_len": args.prompt_len,
                                                "max_tokens": args.max_tokens,
+                                               "max_num_seqs": args.max_num_seqs or args.requests,
                                                "max_num_batched_tokens": args.max_num_batched_tokens},
                                   "rows": rows})
     print("wrote", path)
