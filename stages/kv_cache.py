@@ -17,7 +17,7 @@ def bytes_per_block(spec: ModelSpec, num_layers: int, block_size: int, dtype: to
 
 def available_host_kv_bytes(fraction: float) -> int:
     """CPU: the share of available host memory the pool may take (on CUDA the runner
-    profiles the device instead: StageRunner.profile_kv_bytes)."""
+    profiles the device instead: stages/kv_budget.py)."""
     try:
         with open("/proc/meminfo") as f:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}

@@ -17,10 +17,10 @@ import torch
 from ray_runtime.config import EngineConfig
 from ray_runtime.layer_span import LayerSpan
 from ray_runtime.messages import SamplerOutput, StageStepResult, StageTiming, StepPlan
-from ray_runtime.sampling_params import SamplingParams
 from stages.cuda_graphs import DecodeGraphs
 from stages.device_state import DeviceBlockTable
 from stages.input_batch import InputBatch
+from stages.kv_budget import profile_kv_bytes
 from stages.kv_cache import allocate_kv_cache, available_host_kv_bytes, bytes_per_block
 from stages.last_rank import LastRank
 from stages.model import attention_metadata, build_stage, token_layout
@@ -84,7 +84,7 @@ class StageRunner:
         if self.drafter is not None:
             per_block += self.drafter.bytes_per_block()
         if self.device == "cuda":
-            kv_bytes = self.profile_kv_bytes()
+            kv_bytes = profile_kv_bytes(self)
         else:
             kv_bytes = available_host_kv_bytes(self.config.kv_cache_memory_fraction)
         if kv_bytes < per_block:
@@ -93,43 +93,6 @@ class StageRunner:
                 f"and activations; one block needs {per_block}): raise gpu_memory_utilization "
                 "or lower max_num_batched_tokens")
         return kv_bytes // per_block - (1 if self.uses_cuda_graphs else 0)  # the scratch block
-
-    @torch.inference_mode()
-    def profile_kv_bytes(self) -> int:
-        """The GPU bytes left for the KV cache: gpu_memory_utilization of the device, minus
-        what is in use now (weights, CUDA context, other processes) and the activation peak
-        of a dummy step of max_num_batched_tokens tokens (in requests of at most
-        max_model_len tokens) through this stage, with a throwaway KV cache."""
-        cfg = self.config
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        n = cfg.max_num_batched_tokens
-        longest = self.batch.max_model_len
-        lens = [longest] * (n // longest) + ([n % longest] if n % longest else [])
-        bs = cfg.block_size
-        per_req = -(-max(lens) // bs)
-        table = np.arange(len(lens) * per_req, dtype=np.int32).reshape(len(lens), per_req)
-        caches = allocate_kv_cache(self.spec, self.num_layers, table.size, bs, self.dtype, self.device)
-        meta, _, _, _ = attention_metadata(table, np.arange(len(lens)), np.zeros(len(lens), np.int64),
-                                        np.array(lens, np.int64), bs, self.device)
-        x = torch.zeros(n, dtype=torch.long, device=self.device) if self.is_first else \
-            torch.zeros(n, self.spec.hidden_size, dtype=self.dtype, device=self.device)
-        hidden = self.model(x, meta, caches)
-        if self.is_last:  # logits of every row that may sample, drafts included, and the
-            # sampler's own buffers on them (its costliest setting: top-k, top-p, min-p, seeds)
-            rows = min(n, cfg.max_num_seqs * (1 + cfg.num_speculative_tokens))
-            logits = self.model.compute_logits(hidden[:rows])
-            worst = [SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05,
-                                    seed=i if i % 2 else None) for i in range(rows)]
-            self.last.sampler.sample(logits, worst, [0] * rows)
-            del logits
-        torch.cuda.synchronize()
-        activations = torch.cuda.max_memory_allocated() - before
-        del caches, hidden, x
-        torch.cuda.empty_cache()
-        return int(total * cfg.gpu_memory_utilization - (total - free) - activations)
 
     @property
     def uses_cuda_graphs(self) -> bool:
