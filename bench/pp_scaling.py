@@ -13,12 +13,14 @@ pp{N}_out{L}_fixed_batch_ceiling = tput(PP=1, B/N requests) / tput(PP=1, B reque
 linear (measured on the PP=1 engine: round time t1(B/N) for B tokens, against N x B / t1(B)).
 pp{N}_out{L}_of_ceiling = efficiency / ceiling is how close the pipeline comes to it.
 
-With --matched, PP=N runs N x --requests requests instead (max_num_seqs too), so each of its
-micro-batches is the PP=1 batch: pp{N}_out{L}_matched_scaling_efficiency = tput(PP=N, N x B) /
+With --matched, PP=N runs N x --requests requests instead (max_num_seqs too, unless
+--max-num-seqs is given), so each of its micro-batches is the PP=1 batch:
+pp{N}_out{L}_matched_scaling_efficiency = tput(PP=N, N x B) /
 (N x tput(PP=1, B)) is the pipeline's own efficiency (bubbles, hops, host), without the
 fixed-batch arithmetic. PP=1 then also runs the N x B requests in one batch on its GPU, and
 pp{N}_out{L}_pp1_same_total_gain = tput(PP=1, N x B) / tput(PP=1, B) says what a bigger batch
-alone buys the one GPU (the matched figure's caveat).
+alone buys the one GPU (the matched figure's caveat). async_speedup is reported only for
+rows on --requests (PP=1 when matched).
 
   python bench/pp_scaling.py [--requests 256] [--input-len 256] [--output-len 128 512] [--pp 1 2 4]
                              [--matched] [--max-num-seqs N] [--feedback on off] [--modes async sync] [--partition even 17,15]
@@ -234,8 +236,7 @@ def main() -> None:
                     "stage_launch_ms_per_step": per_step(st, b, "stage_launch_s"),
                     "stage_gpu_ms_per_step": per_step(st, b, "stage_gpu_busy_s"),
                     "driver_s": {k: round(st[f"driver_{k}_s"] - b[f"driver_{k}_s"], 3)
-                                 for k in ("plan", "wait", "audit", "gc")},
-                    "driver_gc_max_s": st["driver_gc_max_s"]})
+                                 for k in ("plan", "wait", "audit", "gc")}})
                 phases = phase_ms_per_step(st, b)
                 if phases is not None:
                     rows[-1]["stage_phase_ms_per_step"] = phases
@@ -246,10 +247,13 @@ def main() -> None:
                            "output_len": args.output_len, "ignore_eos": True}, "rows": rows}
     pp1 = {(r["output_len"], r["requests"]): r["output_tok_s"] for r in rows
            if r["pp"] == 1 and r["async"]}
+    if not pp1 and any(r["pp"] > 1 for r in rows):
+        print("no async PP=1 rows (--pp without 1, or --modes sync only): no scaling figures")
     for r in rows:
         base = pp1.get((r["output_len"], args.requests))
         if args.matched and r["pp"] > 1 and r["async"] and base:
             key = f"pp{r['pp']}_out{r['output_len']}" + ("" if r["feedback"] else "_no_feedback") \
+                + (f"_inflight{r['max_inflight_steps']}" if args.inflight != [0] else "") \
                 + partition_suffix(r["partition"])
             result[key + "_matched_scaling_efficiency"] = round(
                 r["output_tok_s"] / (r["pp"] * base), 3)

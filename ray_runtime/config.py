@@ -221,9 +221,11 @@ class EngineConfig:
             raise bad("kv_cache_memory_fraction", f"must be in (0, 1], got {self.kv_cache_memory_fraction}")
 
 
-def lane_capacity(max_num_seqs: int, num_lanes: int) -> int:
-    """A lane's share of max_num_seqs: the scheduler admits no more into one lane."""
-    return -(-max_num_seqs // num_lanes)
+def lane_capacity(requests: int, num_lanes: int) -> int:
+    """One lane's share of `requests` split over num_lanes lanes (rounded up). Of
+    max_num_seqs: the most one lane ever holds; the scheduler admits into a lane up to its
+    share of the requests that can run."""
+    return -(-requests // num_lanes)
 
 
 def default_inflight_steps(pp: int, feeds_tokens_back: bool = True) -> int:

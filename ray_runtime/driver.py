@@ -138,7 +138,7 @@ class Driver:
         out = self.core.stats()
         # where each stage runs: rank, layers, node id and address, pid, GPU ids
         out["stage_placement"] = [dict(p) for p in self.stage_placement]
-        gc_totals = self.gc.snapshot()  # this process's collections since start-up
+        gc_totals = self.gc.snapshot()  # the collections since the engine settled its heap
         out["driver_gc_s"], out["driver_gc_max_s"] = gc_totals["total_s"], gc_totals["max_s"]
         out["driver_gc"] = gc_totals
         return out

@@ -45,7 +45,8 @@ class DecodeGraphs:
         self.is_first, self.capture = is_first, capture
         self.mirror, self.fed_tokens = mirror, fed_tokens
         mirror[-1].fill_(scratch_block)
-        self.inputs = GraphInputs(B, mirror.shape[1], scratch_slot=scratch_block * block_size,
+        self.inputs = GraphInputs(B, mirror.shape[1], table_rows=mirror.shape[0] - 1,
+                                  scratch_slot=scratch_block * block_size,
                                   pad_row=mirror.shape[0] - 1, device=dev.type, depth=depth,
                                   has_ids=is_first)
         v = self.inputs.views  # every row padding until a step writes it

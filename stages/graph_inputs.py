@@ -15,8 +15,9 @@ each; this step writes their first b entries, the rows past n as padding:
   fed           first rank: 1 where the id is the slot's latest fed sample (patched in the
                 graph from the device buffer of samples)       0
 
-then, read outside the graph, variable-sized: the sampled slots, and the block table rows
-that changed since the last step (DeviceBlockTable), scattered into the mirror before the
+then, read outside the graph, variable-sized: the sampled slots (at most `capacity`), and
+the block table rows that changed since the last step (DeviceBlockTable; at most the batch's
+`table_rows`, since they are the whole batch's), scattered into the mirror before the
 replay. Only the used extent is copied.
 
 Host buffers: a HostRing of `depth` pinned buffers (stages/staging.py: one is rewritten only
@@ -49,16 +50,20 @@ class StagedDecode:
 
 
 class GraphInputs:
-    def __init__(self, capacity: int, table_width: int, *, scratch_slot: int, pad_row: int,
-                 device: str, depth: int = 2, has_ids: bool = True) -> None:
-        """has_ids: the first rank's graph reads input ids and fed flags."""
-        self.capacity, self.width = capacity, table_width
+    def __init__(self, capacity: int, table_width: int, *, table_rows: int, scratch_slot: int,
+                 pad_row: int, device: str, depth: int = 2, has_ids: bool = True) -> None:
+        """capacity: the largest graph's rows; table_rows: the batch's slots (the mirror's
+        rows), what the changed block-table rows are bounded by: they are the whole batch's
+        (removals and appends of requests outside this step too, at PP>1 another lane's),
+        not only this step's rows. has_ids: the first rank's graph reads input ids and fed
+        flags."""
+        self.capacity, self.width, self.table_rows = capacity, table_width, table_rows
         self.scratch_slot, self.pad_row, self.has_ids = scratch_slot, pad_row, has_ids
         self.is_cuda = device == "cuda"
-        C = capacity
+        C, R = capacity, table_rows
         self._tail = len(SEGMENTS) * C  # where the sampled slots start
-        # sampled slots (<= C), dirty slots (<= C), dirty rows (<= C x width)
-        size = self._tail + 2 * C + C * table_width
+        # sampled slots (<= C), dirty slots (<= R), dirty rows (<= R x width)
+        size = self._tail + C + R + R * table_width
         self.device_buffer = torch.zeros(size, dtype=torch.int64, device=device)
         self.views = {name: self.device_buffer[i * C:(i + 1) * C] for i, name in enumerate(SEGMENTS)}
         self._ring = HostRing(size, depth, cuda=self.is_cuda)
@@ -68,10 +73,12 @@ class GraphInputs:
               dirty_slots: np.ndarray, dirty_rows: np.ndarray) -> StagedDecode:
         """Pack and copy one step's inputs (n = len(rows) <= b <= capacity); ids and fed are
         empty off the first rank."""
-        n, C = len(rows), self.capacity
+        n, C, R = len(rows), self.capacity, self.table_rows
         if not 0 < n <= b <= C:
             raise ValueError(f"a staged decode step needs 0 < rows <= size <= {C}; got {n} "
                              f"rows for size {b}")
+        if len(dirty_slots) > R:
+            raise ValueError(f"{len(dirty_slots)} changed block-table rows; the batch has {R}")
         i = self._ring.take()
         h = self._ring.arrays[i]
         h[0:n] = positions
@@ -90,7 +97,7 @@ class GraphInputs:
         k, d, t = len(sample_slots), len(dirty_slots), self._tail
         h[t:t + k] = sample_slots
         h[t + C:t + C + d] = dirty_slots
-        rows_at = t + 2 * C
+        rows_at = t + C + R
         end = rows_at + d * self.width
         h[rows_at:end] = dirty_rows.reshape(-1)
         used = end if d else t + C

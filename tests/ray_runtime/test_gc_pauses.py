@@ -1,6 +1,7 @@
 """The collector in the engine's processes (ray_runtime/gc_pauses.py): collections timed,
 the start-up heap frozen, the first generation's threshold raised."""
 import gc
+import threading
 
 import pytest
 
@@ -53,3 +54,27 @@ def test_settle_heap_freezes_and_raises_the_threshold(restore_gc):
         assert pauses.snapshot()["collections"] == [0, 0, 0]
     finally:
         pauses.close()
+
+
+def test_snapshot_survives_a_collection_triggered_inside_it(restore_gc):
+    """snapshot() allocates; a collection it triggers runs the callback in the same thread,
+    which must not wait for anything snapshot() holds (a lock there hung the driver's
+    stats() and left the collector disabled for good)."""
+    pauses = GcPauses()
+    done = threading.Event()
+
+    def poll():
+        for _ in range(200):
+            pauses.snapshot()
+        done.set()
+
+    gc.set_threshold(1)  # every allocation of a tracked object collects
+    try:
+        worker = threading.Thread(target=poll, daemon=True)
+        worker.start()
+        worker.join(10)
+    finally:
+        gc.set_threshold(700, 10, 10)
+        pauses.close()
+    assert done.is_set(), "snapshot() hung in a collection it triggered"
+    assert sum(pauses.count) > 0
