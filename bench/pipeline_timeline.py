@@ -11,6 +11,7 @@ the steps, medians in ms:
                     micro-batch's next step (s + PP steps later with PP micro-batches)
   host_lead_ms      a stage's device start - its host's launch start, same step: near 0 means
                     the device waited for its host (the host sets the pace)
+and window_idle_fraction, per stage: 1 - its device's busy time over the window's wall time.
 
   python bench/pipeline_timeline.py TRACE.json [--json OUT]
 """
@@ -72,7 +73,18 @@ def timeline(events: list[dict]) -> dict:
                            if both(gpu[pp - 1], s, gpu[0], s + pp)) if pp > 1 else None,
         "host_lead_ms": [med(gpu[k][s][0] - host[k][s][0] for s in window
                              if both(gpu[k], s, host[k], s)) for k in range(pp)],
+        "window_idle_fraction": [idle(gpu[k], window) for k in range(pp)],
     }
+
+
+def idle(spans: dict, window: range) -> float | None:
+    """1 - the device's busy time over the wall time from its first to its last step of the
+    window: the steady state's idle, without ramp-up, prefill at the start or the drain."""
+    inside = [spans[s] for s in window if s in spans]
+    if len(inside) < 2:
+        return None
+    wall = max(t1 for _, t1 in inside) - min(t0 for t0, _ in inside)
+    return round(1 - sum(t1 - t0 for t0, t1 in inside) / wall, 3)
 
 
 def main() -> None:

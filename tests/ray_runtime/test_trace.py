@@ -72,6 +72,8 @@ def test_pipeline_timeline_reads_hops_and_the_feedback_loop():
     gaps = [round(g0[s] - g0[s - 1] - 1.0, 6) for s in range(lo, hi)]
     assert set(gaps) == {0.0, 0.75}
     assert out["gap_before_ms"][0] == pytest.approx(statistics.median(gaps), abs=1e-3)
+    # and so over the window each device is busy 2 ms of every 2.75
+    assert out["window_idle_fraction"] == [pytest.approx(0.75 / 2.75, abs=0.02)] * 2
 
 
 def test_pipeline_timeline_needs_device_spans():
