@@ -26,7 +26,8 @@ from ray_runtime.ranks import RankLink
 from ray_runtime.reconcile import BookkeepingMismatch, audit
 from ray_runtime.request import Request
 from ray_runtime.sampling_params import RequestOutputKind
-from ray_runtime.scheduler import PlanRecord, Scheduler
+from ray_runtime.plan_record import PlanRecord
+from ray_runtime.scheduler import Scheduler
 from ray_runtime.trace import PipelineTrace
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from typing import Collection
 import msgspec
 
 from ray_runtime.messages import RowDigest, RowDigests
-from ray_runtime.scheduler import Expectation
+from ray_runtime.plan_record import Expectation
 
 
 class BookkeepingMismatch(RuntimeError):

@@ -21,7 +21,8 @@ from ray_runtime.messages import RequestSpec, RowDigest, RowDigests, decode_plan
 from ray_runtime.reconcile import BookkeepingMismatch, _findings, audit
 from ray_runtime.request import Request, hash_extend, prefix_hash
 from ray_runtime.sampling_params import RequestOutputKind, SamplingParams
-from ray_runtime.scheduler import Expectation, Scheduler
+from ray_runtime.plan_record import Expectation
+from ray_runtime.scheduler import Scheduler
 
 EOS = 2
 

@@ -15,7 +15,8 @@ from ray_runtime.messages import SamplerOutput
 from ray_runtime.reconcile import audit
 from ray_runtime.request import Request, RequestStatus
 from ray_runtime.sampling_params import SamplingParams
-from ray_runtime.scheduler import PlanRecord, Scheduler
+from ray_runtime.plan_record import PlanRecord
+from ray_runtime.scheduler import Scheduler
 from stages.input_batch import InputBatch
 
 K = 3

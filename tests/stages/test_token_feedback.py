@@ -17,7 +17,7 @@ from ray_runtime.messages import NewRequestData
 from ray_runtime.reconcile import audit
 from ray_runtime.request import prefix_hash
 from ray_runtime.sampling_params import SamplingParams
-from ray_runtime.scheduler import Expectation
+from ray_runtime.plan_record import Expectation
 from stages.input_batch import InputBatch
 from stages.token_feedback import FeedbackError, TokenReceiver, TokenSender
 from stages.transport import connect_rendezvous, open_rendezvous
