@@ -251,27 +251,24 @@ def main() -> None:
         print("no async PP=1 rows (--pp without 1, or --modes sync only): no scaling figures")
     for r in rows:
         base = pp1.get((r["output_len"], args.requests))
-        if args.matched and r["pp"] > 1 and r["async"] and base:
-            key = f"pp{r['pp']}_out{r['output_len']}" + ("" if r["feedback"] else "_no_feedback") \
-                + (f"_inflight{r['max_inflight_steps']}" if args.inflight != [0] else "") \
-                + partition_suffix(r["partition"])
-            result[key + "_matched_scaling_efficiency"] = round(
-                r["output_tok_s"] / (r["pp"] * base), 3)
+        if not (r["pp"] > 1 and r["async"] and base):
+            continue
+        key = f"pp{r['pp']}_out{r['output_len']}" + ("" if r["feedback"] else "_no_feedback") \
+            + (f"_inflight{r['max_inflight_steps']}" if args.inflight != [0] else "") \
+            + partition_suffix(r["partition"])
+        eff = r["output_tok_s"] / (r["pp"] * base)
+        if args.matched:
+            result[key + "_matched_scaling_efficiency"] = round(eff, 3)
             same = pp1.get((r["output_len"], r["requests"]))
             if same:
                 result[f"pp{r['pp']}_out{r['output_len']}_pp1_same_total_gain"] = round(same / base, 3)
             continue
-        if r["pp"] > 1 and r["async"] and base:
-            key = f"pp{r['pp']}_out{r['output_len']}" + ("" if r["feedback"] else "_no_feedback") \
-                + (f"_inflight{r['max_inflight_steps']}" if args.inflight != [0] else "") \
-                + partition_suffix(r["partition"])
-            eff = r["output_tok_s"] / (r["pp"] * base)
-            result[key + "_scaling_efficiency"] = round(eff, 3)
-            share = pp1.get((r["output_len"], args.requests // r["pp"]))
-            if share:
-                ceiling = share / base
-                result[f"pp{r['pp']}_out{r['output_len']}_fixed_batch_ceiling"] = round(ceiling, 3)
-                result[key + "_of_ceiling"] = round(eff / ceiling, 3)
+        result[key + "_scaling_efficiency"] = round(eff, 3)
+        share = pp1.get((r["output_len"], args.requests // r["pp"]))
+        if share:
+            ceiling = share / base
+            result[f"pp{r['pp']}_out{r['output_len']}_fixed_batch_ceiling"] = round(ceiling, 3)
+            result[key + "_of_ceiling"] = round(eff / ceiling, 3)
     for n in args.ceiling_pp or []:  # PP sizes that were not run here: their ceiling alone
         for out_len in args.output_len:
             base, share = pp1.get((out_len, args.requests)), pp1.get((out_len, args.requests // n))

@@ -61,6 +61,5 @@ def graph_pool_bytes(runner, activations: int) -> int:
     rows = min(cfg.max_lane_size, cfg.max_num_batched_tokens)
     pool = activations * rows // max(1, cfg.max_num_batched_tokens)
     if runner.is_last:
-        elem = torch.tensor([], dtype=runner.dtype).element_size()
-        pool += rows * runner.spec.vocab_size * elem
+        pool += rows * runner.spec.vocab_size * runner.dtype.itemsize
     return pool
