@@ -120,8 +120,8 @@ def layer_ops_case(dtype: torch.dtype) -> dict:
     check bf16 closeness: the interpreter truncates where the GPU rounds). Fraction of
     elements bit-identical, and the largest difference."""
     from kernels.layer_ops import rms_norm_ref, rope_ref
-    from kernels.layer_ops_triton import (norm_rope_triton_, rms_norm_triton, silu_and_mul_triton,
-                                          write_kv_triton)
+    from kernels.layer_ops_triton import (norm_rope_triton_, qk_rope_kv_triton_, rms_norm_triton,
+                                          silu_and_mul_triton, write_kv_triton)
     from kernels.paged_attention import write_kv_ref
 
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -155,7 +155,59 @@ def layer_ops_case(dtype: torch.dtype) -> dict:
     write_kv_triton(kc, vc, k, v, slots)
     write_kv_ref(kr, vr, k, v, slots)
     out["write_kv"] = {"identical": bool(torch.equal(kc, kr) and torch.equal(vc, vr))}
+    # q, k and v as views of one projection, cos/sin as tables indexed by position: the fused
+    # launch against the three kernels it replaces, which must agree bit for bit
+    qkv = rnd(256, (16 + 2 * 8) * 128).view(256, 32, 128)
+    kw, positions = rnd(128), (torch.arange(256, device="cuda") * 7)[torch.randperm(256, device="cuda", generator=gen)]
+    table = torch.cat([torch.arange(256 * 7, device="cuda").float()[:, None] * inv[None]] * 2, dim=-1)
+    cos_t, sin_t = table.cos().to(dtype), table.sin().to(dtype)
+    want_q = norm_rope_triton_(qkv[:, :16].clone(), qw, 1e-6, cos_t[positions], sin_t[positions])
+    want_k = norm_rope_triton_(qkv[:, 16:24].clone(), kw, 1e-6, cos_t[positions], sin_t[positions])
+    kc2, vc2 = kr.clone(), vr.clone()
+    write_kv_triton(kr, vr, want_k, qkv[:, 24:], slots)
+    got_q = qk_rope_kv_triton_(qkv[:, :16], qkv[:, 16:24], qkv[:, 24:], qw, kw, 1e-6, cos_t,
+                               sin_t, positions, kc2, vc2, slots)
+    out["qk_rope_kv"] = {"identical": bool(torch.equal(got_q, want_q) and torch.equal(kc2, kr)
+                                           and torch.equal(vc2, vr))}
     return {"dtype": str(dtype), **out}
+
+
+def stage_rope_tables_case(root: str = "/tmp/ray_runtime_gpu") -> dict:
+    """A bf16 stage's forward with its rope tables (one fused launch for q/k norm, rotary and
+    the KV write per layer) against the same stage without them (cos/sin per step, three
+    launches): a prompt, then decode steps; logits-side hidden states and caches identical."""
+    import numpy as np
+
+    from bench.common import tiny_llama
+    from ray_runtime.layer_span import stage_spans
+    from stages.kv_cache import allocate_kv_cache
+    from stages.model import attention_metadata, build_stage
+    from stages.model_spec import ModelSpec
+
+    spec = ModelSpec.from_dir(tiny_llama(os.path.join(root, "llama_rope_check"), hidden=512,
+                                         layers=2, heads=8, kv_heads=2, intermediate=1024,
+                                         vocab=1000))
+    model = build_stage(spec, stage_spans(spec.num_layers, 1, None)[0], True, True, torch.bfloat16, "cuda")
+    tables = model.rope_tables
+    table = np.arange(32, dtype=np.int32).reshape(2, 16)
+    results = {}
+    for name, rope in (("tables", tables), ("per_step", None)):
+        model.rope_tables = rope
+        kv = allocate_kv_cache(spec, spec.num_layers, 32, 16, torch.bfloat16, "cuda")
+        outs, ids = [], torch.arange(3, 3 + 2 * 40, device="cuda") % 1000
+        starts, num_new = np.array([0, 0]), np.array([40, 40])
+        for step in range(4):
+            meta, *_ = attention_metadata(table, np.arange(2), starts, num_new, 16, "cuda")
+            outs.append(model(ids, meta, kv))
+            starts, num_new = starts + num_new, np.array([1, 1])
+            ids = outs[-1][-2:].float().sum(-1).long().abs() % 1000
+        results[name] = (outs, kv)
+    model.rope_tables = tables
+    (a, kva), (b, kvb) = results["tables"], results["per_step"]
+    same = all(torch.equal(x, y) for x, y in zip(a, b)) and \
+        all(torch.equal(x, y) for pa, pb in zip(kva, kvb) for x, y in zip(pa, pb))
+    return {"identical": bool(same), "max_abs_diff": max(float((x.float() - y.float()).abs().max())
+                                                         for x, y in zip(a, b))}
 
 
 def rejection_case(seed: int, B: int = 64, K: int = 4, V: int = 151936) -> dict:
@@ -207,17 +259,20 @@ def main() -> None:
     ops = [layer_ops_case(dt) for dt in (torch.bfloat16, torch.float16, torch.float32)]
     for o in ops:
         print(f"layer ops {o['dtype']}: {o}", flush=True)
+    stage = stage_rope_tables_case()
+    print(f"bf16 stage with rope tables against per-step cos/sin: {stage}", flush=True)
     rej = [rejection_case(s) for s in range(4)]
     for i, r in enumerate(rej):
         print(f"rejection sampler seed {i}: " + ", ".join(
             f"{k} identical={v['identical']} {v['kernel_us']:.0f} us" for k, v in r.items()), flush=True)
     ok = all(a["max_abs_err"] < 3e-2 for a in attn + pre + splits) and \
         all(a["max_abs_err"] < 1e-4 for a in splits if a["dtype"] == "torch.float32") and \
-        all(o["write_kv"]["identical"] for o in ops) and \
-        all(v["identical"] for r in rej for v in r.values())
+        all(o["write_kv"]["identical"] and o["qk_rope_kv"]["identical"] for o in ops) and \
+        all(v["identical"] for r in rej for v in r.values()) and stage["identical"]
     print("wrote", save("kernel_check_gpu", {"attention": attn, "prefill_attention": pre,
                                                 "decode_splits": splits, "layer_ops": ops,
-                                                "rejection_sampler": rej, "all_ok": ok}))
+                                                "rejection_sampler": rej, "stage_rope_tables": stage,
+                                                "all_ok": ok}))
     sys.exit(0 if ok else 1)
 
 

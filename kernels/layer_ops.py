@@ -6,8 +6,13 @@ inside a kernel, which transformers' eager ops never do, and float32 is the exac
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
+
+from kernels.paged_attention import write_kv
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,6 +66,36 @@ def norm_rope(x: torch.Tensor, weight, eps: float, cos: torch.Tensor, sin: torch
     if weight is not None:
         x = rms_norm_ref(x, weight, eps)
     return rope_ref(x, cos, sin)
+
+
+@dataclass
+class RopeCosSin:
+    """The rotary embedding's cos and sin for a step: per token ([tokens, head_dim]), or, with
+    positions, tables ([positions, head_dim], built once per stage) that a fused kernel
+    indexes by each token's position."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: Optional[torch.Tensor] = None
+
+
+def attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight, k_weight,
+                     eps: float, rope: RopeCosSin, kv: tuple[torch.Tensor, torch.Tensor],
+                     slot_mapping: torch.Tensor) -> torch.Tensor:
+    """q and k [tokens, heads, head_dim]: per-head RMSNorm when the weights are given, then
+    the rotary embedding; k and v into the KV caches at slot_mapping. Returns q. With rope
+    tables (half precision on CUDA) it is one kernel launch; otherwise the ops one by one."""
+    key_cache, value_cache = kv
+    if rope.positions is not None:
+        if not _fused(q):
+            raise ValueError("attention_inputs: rope tables are for half precision on CUDA only")
+        from kernels.layer_ops_triton import qk_rope_kv_triton_
+
+        return qk_rope_kv_triton_(q, k, v, q_weight, k_weight, eps, rope.cos, rope.sin,
+                                  rope.positions, key_cache, value_cache, slot_mapping)
+    q = norm_rope(q, q_weight, eps, rope.cos, rope.sin)
+    k = norm_rope(k, k_weight, eps, rope.cos, rope.sin)
+    write_kv(key_cache, value_cache, k, v, slot_mapping)
+    return q
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kernels.layer_ops import add_rms_norm, norm_rope, rms_norm, silu_and_mul
+from kernels.layer_ops import RopeCosSin, add_rms_norm, attention_inputs, rms_norm, silu_and_mul
 from kernels.paged_attention import (DecodeLayout, decode_layout_arrays, paged_attention,
-                                     prefill_tile_arrays, write_kv)
+                                     prefill_tile_arrays)
 from ray_runtime.layer_span import LayerSpan
 from stages.model_spec import ModelSpec
 
@@ -141,6 +141,13 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
+    def tables(self, num_positions: int, dtype: torch.dtype, device) -> RopeCosSin:
+        """cos/sin for every position below num_positions, by forward()'s own ops (an
+        elementwise op on CUDA gives an element the same value in any tensor), for a fused
+        kernel to index by position instead of computing them every step."""
+        positions = torch.arange(num_positions, device=device)
+        return RopeCosSin(*(t.contiguous() for t in self(positions, dtype)))
+
 
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
@@ -163,8 +170,8 @@ class Attention(nn.Module):
         self.qkv_proj = _concat_linears(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeCosSin, meta: AttentionMetadata,
+                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         spec, n = self.spec, x.shape[0]
         nq, nkv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         if self.qkv_proj is not None:  # views into one output; the kernels take strides
@@ -176,11 +183,10 @@ class Attention(nn.Module):
             q = self.q_proj(x).view(n, spec.num_heads, spec.head_dim)
             k = self.k_proj(x).view(n, spec.num_kv_heads, spec.head_dim)
             v = self.v_proj(x).view(n, spec.num_kv_heads, spec.head_dim)
-        eps = spec.rms_norm_eps
-        q = norm_rope(q, self.q_norm.weight if spec.qk_norm else None, eps, cos, sin)
-        k = norm_rope(k, self.k_norm.weight if spec.qk_norm else None, eps, cos, sin)
+        q = attention_inputs(q, k, v, self.q_norm.weight if spec.qk_norm else None,
+                             self.k_norm.weight if spec.qk_norm else None, spec.rms_norm_eps,
+                             rope, kv, meta.slot_mapping)
         key_cache, value_cache = kv
-        write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                               meta.query_start_loc, self.scale, meta.layout)
         return self.o_proj(out.reshape(n, -1))
@@ -231,7 +237,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if mlp else None
         self.mlp = MLP(spec) if mlp else None
 
-    def forward(self, x, residual, cos, sin, meta, kv) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x, residual, rope, meta, kv) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (the last block's output, the residual stream before it): the caller (or
         the next block's fused norm) adds them, as transformers' `residual + hidden_states`
         does. residual None: x is the whole residual stream (a stage's first block)."""
@@ -240,7 +246,7 @@ class DecoderLayer(nn.Module):
                 residual, h = x, self.input_layernorm(x)
             else:
                 h, residual = self.input_layernorm.add(x, residual)
-            x = self.self_attn(h, cos, sin, meta, kv)
+            x = self.self_attn(h, rope, meta, kv)
         if self.mlp is None:
             return x, residual
         if residual is None:
@@ -262,6 +268,8 @@ class StageModel(nn.Module):
                                     for i in span.layers)
         self.num_attention_layers = len(span.attention_layers)
         self.rotary = Rotary(spec)
+        # set by build_stage where the layers' kernels are fused: cos/sin for every position
+        self.rope_tables: Optional[RopeCosSin] = None
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if is_last else None
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if is_last else None
 
@@ -271,7 +279,9 @@ class StageModel(nn.Module):
         kv_caches: one per layer whose attention is here (LayerSpan.attention_layers)."""
         if self.is_first:
             x = self.embed_tokens(x)
-        cos, sin = self.rotary(meta.positions, x.dtype)
+        tables = self.rope_tables
+        rope = RopeCosSin(tables.cos, tables.sin, meta.positions) if tables is not None \
+            else RopeCosSin(*self.rotary(meta.positions, x.dtype))
         residual = None
         if len(kv_caches) != self.num_attention_layers:
             raise ValueError(f"stage {self.span.label()}: {len(kv_caches)} KV caches for "
@@ -279,7 +289,7 @@ class StageModel(nn.Module):
         caches = iter(kv_caches)
         for layer in self.layers:
             kv = next(caches) if layer.self_attn is not None else None
-            x, residual = layer(x, residual, cos, sin, meta, kv)
+            x, residual = layer(x, residual, rope, meta, kv)
         return x if residual is None else residual + x
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
@@ -340,6 +350,7 @@ def build_stage(spec: ModelSpec, span: LayerSpan, is_first: bool, is_last: bool,
         model = StageModel(spec, span, is_first, is_last)
     model.load_checkpoint(dtype, device)
     if device == "cuda" and dtype != torch.float32:  # where the fused kernels run too
+        model.rope_tables = model.rotary.tables(spec.max_position_embeddings, dtype, device)
         for layer in model.layers:
             if layer.self_attn is not None:
                 layer.self_attn.fuse()
