@@ -50,7 +50,9 @@ class PhaseTimer:
         self.times[name].append(dt)
 
     def medians_ms(self, skip: int) -> dict[str, float]:
-        return {k: round(1e3 * statistics.median(v[skip:] or v), 3) for k, v in self.times.items()}
+        # a phase that never ran (none at one row, say) has no entry rather than no median
+        return {k: round(1e3 * statistics.median(v[skip:] or v), 3)
+                for k, v in self.times.items() if v}
 
 
 def build(args, model_dir: str, enforce_eager: bool):
