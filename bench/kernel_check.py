@@ -210,6 +210,36 @@ def stage_rope_tables_case(root: str = "/tmp/ray_runtime_gpu") -> dict:
                                                          for x, y in zip(a, b))}
 
 
+def skinny_gemm_case(rows: int, k: int, n: int) -> dict:
+    """The skinny GEMM against torch's (cuBLAS) at a decode step's few rows: error against a
+    float32 matmul, next to cuBLAS's own, and each one's time per call (a CUDA graph of 50
+    calls, so launch gaps are the device's, as in a decode step's graph)."""
+    from kernels.skinny_gemm_triton import skinny_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(rows * k + n)
+    x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).to(torch.bfloat16)
+    ref = x.float() @ w.float().T
+    out = {"rows": rows, "k": k, "n": n}
+    for name, fn in (("skinny", lambda: skinny_linear(x, w)),
+                     ("torch", lambda: torch.nn.functional.linear(x, w))):
+        y = fn()
+        out[f"{name}_max_abs_err"] = float((y.float() - ref).abs().max())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(50):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            graph.replay()
+        torch.cuda.synchronize()
+        out[f"{name}_us"] = (time.perf_counter() - t0) / 500 * 1e6
+    out["skinny_GBps"] = n * k * 2 / out["skinny_us"] / 1e3
+    return out
+
+
 def rejection_case(seed: int, B: int = 64, K: int = 4, V: int = 151936) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     num_drafts = torch.randint(0, K + 1, (B,), device="cuda", generator=gen)
@@ -259,6 +289,13 @@ def main() -> None:
     ops = [layer_ops_case(dt) for dt in (torch.bfloat16, torch.float16, torch.float32)]
     for o in ops:
         print(f"layer ops {o['dtype']}: {o}", flush=True)
+    shapes = [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024), (1024, 151936),
+              (4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
+    skinny = [skinny_gemm_case(r, k, n) for r in (1, 8) for k, n in shapes]
+    for a in skinny:
+        print(f"skinny gemm {a['rows']} x {a['k']} -> {a['n']}: {a['skinny_us']:.1f} us "
+              f"({a['skinny_GBps']:.0f} GB/s) vs torch {a['torch_us']:.1f} us; max abs err "
+              f"{a['skinny_max_abs_err']:.2e} vs torch {a['torch_max_abs_err']:.2e}", flush=True)
     stage = stage_rope_tables_case()
     print(f"bf16 stage with rope tables against per-step cos/sin: {stage}", flush=True)
     rej = [rejection_case(s) for s in range(4)]
@@ -268,10 +305,12 @@ def main() -> None:
     ok = all(a["max_abs_err"] < 3e-2 for a in attn + pre + splits) and \
         all(a["max_abs_err"] < 1e-4 for a in splits if a["dtype"] == "torch.float32") and \
         all(o["write_kv"]["identical"] and o["qk_rope_kv"]["identical"] for o in ops) and \
-        all(v["identical"] for r in rej for v in r.values()) and stage["identical"]
+        all(v["identical"] for r in rej for v in r.values()) and stage["identical"] and \
+        all(a["skinny_max_abs_err"] <= 2 * a["torch_max_abs_err"] + 1e-2 for a in skinny)
     print("wrote", save("kernel_check_gpu", {"attention": attn, "prefill_attention": pre,
                                                 "decode_splits": splits, "layer_ops": ops,
                                                 "rejection_sampler": rej, "stage_rope_tables": stage,
+                                                "skinny_gemm": skinny,
                                                 "all_ok": ok}))
     sys.exit(0 if ok else 1)
 

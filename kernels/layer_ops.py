@@ -10,7 +10,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import os
+
 import torch.nn.functional as F
+from torch import nn
 
 from kernels.paged_attention import write_kv
 
@@ -96,6 +99,21 @@ def attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight
     k = norm_rope(k, k_weight, eps, rope.cos, rope.sin)
     write_kv(key_cache, value_cache, k, v, slot_mapping)
     return q
+
+
+SKINNY_GEMM_ENV = "RAY_RUNTIME_SKINNY_GEMM"  # "0": every linear layer through torch (A/B runs)
+
+
+def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """layer(x); a few rows of a half-precision model on CUDA through the skinny GEMM kernel
+    (kernels/skinny_gemm_triton.py), whose weights stream at a bandwidth the library's
+    kernels leave unused at that size."""
+    if _fused(x) and x.dim() == 2 and os.environ.get(SKINNY_GEMM_ENV, "1") != "0":
+        from kernels.skinny_gemm_triton import SKINNY_MAX_ROWS, skinny_linear
+
+        if x.shape[0] <= SKINNY_MAX_ROWS and x.stride(1) == 1 and layer.weight.stride(1) == 1:
+            return skinny_linear(x, layer.weight, layer.bias)
+    return layer(x)
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

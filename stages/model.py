@@ -17,7 +17,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kernels.layer_ops import RopeCosSin, add_rms_norm, attention_inputs, rms_norm, silu_and_mul
+from kernels.layer_ops import (RopeCosSin, add_rms_norm, attention_inputs, linear, rms_norm,
+                               silu_and_mul)
 from kernels.paged_attention import (DecodeLayout, decode_layout_arrays, paged_attention,
                                      prefill_tile_arrays)
 from ray_runtime.layer_span import LayerSpan
@@ -175,7 +176,7 @@ class Attention(nn.Module):
         spec, n = self.spec, x.shape[0]
         nq, nkv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         if self.qkv_proj is not None:  # views into one output; the kernels take strides
-            qkv = self.qkv_proj(x)
+            qkv = linear(x, self.qkv_proj)
             q = qkv[:, :nq].view(n, spec.num_heads, spec.head_dim)
             k = qkv[:, nq:nq + nkv].view(n, spec.num_kv_heads, spec.head_dim)
             v = qkv[:, nq + nkv:].view(n, spec.num_kv_heads, spec.head_dim)
@@ -189,7 +190,7 @@ class Attention(nn.Module):
         key_cache, value_cache = kv
         out = paged_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                               meta.query_start_loc, self.scale, meta.layout)
-        return self.o_proj(out.reshape(n, -1))
+        return linear(out.reshape(n, -1), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -207,9 +208,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(x)
+            gate_up = linear(x, self.gate_up_proj)
             i = gate_up.shape[-1] // 2
-            return self.down_proj(silu_and_mul(gate_up[:, :i], gate_up[:, i:]))
+            return linear(silu_and_mul(gate_up[:, :i], gate_up[:, i:]), self.down_proj)
         return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -296,7 +297,7 @@ class StageModel(nn.Module):
         """Logits in float32; upcast=False keeps the model's dtype, which is enough for an
         argmax (the conversion is exact and keeps the order, ties included) and saves a
         [rows, vocab] copy and half the argmax's reads on the last rank's every step."""
-        logits = self.lm_head(self.norm(hidden))
+        logits = linear(self.norm(hidden), self.lm_head)
         return logits.float() if upcast else logits
 
     # ---- loading -------------------------------------------------------------------------

@@ -1,0 +1,72 @@
+"""A linear layer for a handful of rows (a decode step of few requests): y = x @ w.T (+ b)
+for x [rows <= SKINNY_MAX_ROWS, K] and w [N, K], half precision on CUDA.
+
+At one to eight rows a decoder layer's GEMMs read their weights once and do almost no math,
+so they are bound by how fast the weights stream in. The library kernels chosen at that size
+left the bandwidth mostly unused (a 1-row decode step of Qwen3-0.6B on an H200: 0.88 ms of
+its ~1.2 ms of kernels in four GEMMs per layer, the weights worth 0.25 ms at the copy
+bandwidth). Here each program owns BLOCK_N output columns for all the rows and streams their
+weight rows along K, several tiles in flight; the rows, padded to 16, go through the tensor
+cores with float32 accumulation, and the result is rounded to the model's dtype once.
+
+Numerics: a float32 sum in another order than the library's, rounded once, as a bf16 GEMM
+is; not bit-identical to it (only a bf16/fp16 model on CUDA takes this path; float32, the
+exactness mode, never does). Oracle: torch's matmul (tests/kernels/test_skinny_gemm.py,
+under TRITON_INTERPRET=1; bench/kernel_check.py on the GPU).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SKINNY_MAX_ROWS = 8  # up to this many rows a linear layer takes this kernel on CUDA
+_BLOCK_M = 16  # the rows, padded to what a tensor-core dot takes
+
+
+@triton.jit
+def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
+                        stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
+                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, K] (rows <= SKINNY_MAX_ROWS) @ weight [N, K].T (+ bias [N]) -> [rows, N]."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"skinny_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
+                         "must be [rows, K] and [N, K]")
+    rows, k = x.shape
+    n = weight.shape[0]
+    if rows > SKINNY_MAX_ROWS:
+        raise ValueError(f"skinny_linear: {rows} rows, at most {SKINNY_MAX_ROWS}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("skinny_linear: x and weight must be contiguous along K")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"skinny_linear: bias {tuple(bias.shape)} must be [{n}]")
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows:
+        block_n = 16
+        _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
+            x, weight, bias if bias is not None else weight, out, rows, n, k, x.stride(0),
+            weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M,
+            BLOCK_N=block_n, BLOCK_K=min(256, triton.next_power_of_2(k)), num_warps=4,
+            num_stages=4)
+    return out

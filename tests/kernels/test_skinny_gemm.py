@@ -1,0 +1,71 @@
+"""The skinny GEMM (a linear layer for a handful of rows) against torch's matmul, on CPU
+through Triton's interpreter; bench/kernel_check.py runs it at real shapes on the GPU."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kernels.skinny_gemm_triton import SKINNY_MAX_ROWS, skinny_linear  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,n,k", [(1, 64, 256), (3, 50, 300), (SKINNY_MAX_ROWS, 40, 520)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_matmul(dtype, rows, n, k, with_bias):
+    """Ragged N and K (masked tails, K over one tile), every row count up to the limit."""
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if with_bias else None
+    want = x.double() @ w.double().T + (b.double() if with_bias else 0)
+    got = skinny_linear(x, w, b)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+def test_rows_of_a_wider_tensor_and_no_rows():
+    g = torch.Generator().manual_seed(7)
+    wide = torch.randn(4, 96, generator=g)
+    x = wide[:, :64]  # row stride 96: a view, as a slice of a fused projection is
+    w = torch.randn(32, 64, generator=g)
+    torch.testing.assert_close(skinny_linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+    assert skinny_linear(torch.zeros(0, 64), w).shape == (0, 32)
+
+
+def test_names_what_does_not_fit():
+    w = torch.zeros(8, 16)
+    with pytest.raises(ValueError, match="rows"):
+        skinny_linear(torch.zeros(SKINNY_MAX_ROWS + 1, 16), w)
+    with pytest.raises(ValueError, match=r"\[rows, K\]"):
+        skinny_linear(torch.zeros(2, 15), w)
+    with pytest.raises(ValueError, match="bias"):
+        skinny_linear(torch.zeros(2, 16), w, torch.zeros(7))
+    with pytest.raises(ValueError, match="contiguous"):
+        skinny_linear(torch.zeros(16, 2).T, w)
+
+
+def test_linear_takes_the_kernel_for_few_half_precision_rows_only(monkeypatch):
+    """kernels.layer_ops.linear: the skinny kernel where the fused kernels run (half
+    precision on CUDA; forced here) and rows <= SKINNY_MAX_ROWS, unless the env switch is 0;
+    the module itself otherwise, the float32 exactness path always."""
+    import kernels.layer_ops as layer_ops
+    import kernels.skinny_gemm_triton as skinny
+
+    calls = []
+    real = skinny.skinny_linear
+    monkeypatch.setattr(skinny, "skinny_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    layer = torch.nn.Linear(32, 24, bias=True).to(torch.float16)
+    x = torch.randn(SKINNY_MAX_ROWS + 4, 32).to(torch.float16)
+    layer_ops.linear(x[:2], layer)  # on CPU: the module
+    assert calls == []
+    monkeypatch.setattr(layer_ops, "_fused", lambda t: True)
+    for rows in (1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 4):
+        got = layer_ops.linear(x[:rows], layer)
+        torch.testing.assert_close(got.float(), layer(x[:rows]).float(), rtol=2e-3, atol=2e-3)
+    assert calls == [1, SKINNY_MAX_ROWS]
+    monkeypatch.setenv(layer_ops.SKINNY_GEMM_ENV, "0")
+    layer_ops.linear(x[:1], layer)
+    assert calls == [1, SKINNY_MAX_ROWS]
