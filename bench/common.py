@@ -94,7 +94,7 @@ def gpu_ray_env() -> dict:
     return {k: v for k, v in os.environ.items() if k.startswith("NCCL_") or k in (
         "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "PYTHONPATH",
         "RAY_RUNTIME_TORCH_PROFILER_DIR", "RAY_RUNTIME_PROFILE_STEPS", "RAY_RUNTIME_SYNC_DEBUG",
-        "RAY_RUNTIME_PHASE_CLOCK")}
+        "RAY_RUNTIME_PHASE_CLOCK", "RAY_RUNTIME_SKINNY_GEMM")}
 
 
 # ---- the memory-bandwidth roofline (roofline.py, throughput.py, latency.py) -------------------
