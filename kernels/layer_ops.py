@@ -106,12 +106,13 @@ SKINNY_GEMM_ENV = "RAY_RUNTIME_SKINNY_GEMM"  # "0": every linear layer through t
 
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """layer(x); a few rows of a half-precision model on CUDA through the skinny GEMM kernel
-    (kernels/skinny_gemm_triton.py), whose weights stream at a bandwidth the library's
-    kernels leave unused at that size."""
+    (kernels/skinny_gemm_triton.py) at the shapes where it was timed faster than the
+    library's kernel on this device."""
     if _fused(x) and x.dim() == 2 and os.environ.get(SKINNY_GEMM_ENV, "1") != "0":
-        from kernels.skinny_gemm_triton import SKINNY_MAX_ROWS, skinny_linear
+        from kernels.skinny_gemm_triton import SKINNY_MAX_ROWS, faster_at, skinny_linear
 
-        if x.shape[0] <= SKINNY_MAX_ROWS and x.stride(1) == 1 and layer.weight.stride(1) == 1:
+        if x.shape[0] <= SKINNY_MAX_ROWS and x.stride(1) == 1 and layer.weight.stride(1) == 1 \
+                and faster_at(x, layer.weight, layer.bias):
             return skinny_linear(x, layer.weight, layer.bias)
     return layer(x)
 

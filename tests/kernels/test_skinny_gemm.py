@@ -62,6 +62,9 @@ def test_linear_takes_the_kernel_for_few_half_precision_rows_only(monkeypatch):
     layer_ops.linear(x[:2], layer)  # on CPU: the module
     assert calls == []
     monkeypatch.setattr(layer_ops, "_fused", lambda t: True)
+    monkeypatch.setattr(skinny, "faster_at", lambda x, w, b: x.shape[0] != 3)  # timed slower at 3
+    layer_ops.linear(x[:3], layer)
+    assert calls == []
     for rows in (1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 4):
         got = layer_ops.linear(x[:rows], layer)
         torch.testing.assert_close(got.float(), layer(x[:rows]).float(), rtol=2e-3, atol=2e-3)
@@ -69,3 +72,26 @@ def test_linear_takes_the_kernel_for_few_half_precision_rows_only(monkeypatch):
     monkeypatch.setenv(layer_ops.SKINNY_GEMM_ENV, "0")
     layer_ops.linear(x[:1], layer)
     assert calls == [1, SKINNY_MAX_ROWS]
+
+
+def test_faster_at_times_each_shape_once_and_never_while_capturing(monkeypatch):
+    import kernels.skinny_gemm_triton as skinny
+
+    monkeypatch.setattr(skinny, "_faster", {})
+    timed = []
+
+    def timer(fn):  # the skinny kernel is timed first: call it "slower" at 2 rows
+        timed.append(fn)
+        return 1.0 if len(timed) % 2 else (0.5 if timed_rows[-1] == 2 else 2.0)
+
+    w = torch.zeros(16, 32)
+    timed_rows = [1]
+    assert skinny.faster_at(torch.zeros(1, 32), w, None, timer) is True
+    assert skinny.faster_at(torch.zeros(1, 32), w, None, timer) is True and len(timed) == 2
+    timed_rows.append(2)
+    assert skinny.faster_at(torch.zeros(2, 32), w, None, timer) is False and len(timed) == 4
+    # a shape first seen inside a graph capture: torch's kernel, and nothing timed or kept
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert skinny.faster_at(torch.zeros(4, 32), w, None, timer) is False and len(timed) == 4
+    assert (4, 16, 32, torch.float32, False) not in skinny._faster
