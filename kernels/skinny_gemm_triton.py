@@ -13,6 +13,8 @@ Measured on an H200 (bench/kernel_check.py), this kernel beats the library's at 
 and loses at most (a 1-row 2048 -> 1024 projection: 5.0 against 12.4 us; a 1-row 1024 ->
 6144 one: 5.9 against 5.0). So `faster_at` times both once per shape on the device, each in
 a CUDA graph (so launch costs do not count), and a linear layer takes whichever was faster.
+Opt-in (RAY_RUNTIME_SKINNY_GEMM=1, kernels/layer_ops.py) until that choice is measured on a
+GPU.
 
 Numerics: a float32 sum in another order than the library's, rounded once, as a bf16 GEMM
 is; not bit-identical to it (only a bf16/fp16 model on CUDA takes this path; float32, the

@@ -128,7 +128,6 @@ def test_a_stage_with_rope_tables_equals_one_computing_cos_sin_per_step(tiny_mod
     from stages.model_spec import ModelSpec
 
     monkeypatch.setattr(layer_ops, "_fused", lambda x: True)
-    monkeypatch.setenv(layer_ops.SKINNY_GEMM_ENV, "0")  # the linear layers: torch's, as on CPU
     monkeypatch.setattr("kernels.paged_attention.write_kv",
                         lambda *a: write_kv_triton(*a))  # the CUDA path's write
     monkeypatch.setattr(layer_ops, "write_kv", lambda *a: write_kv_triton(*a))

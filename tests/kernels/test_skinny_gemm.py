@@ -48,9 +48,10 @@ def test_names_what_does_not_fit():
 
 
 def test_linear_takes_the_kernel_for_few_half_precision_rows_only(monkeypatch):
-    """kernels.layer_ops.linear: the skinny kernel where the fused kernels run (half
-    precision on CUDA; forced here) and rows <= SKINNY_MAX_ROWS, unless the env switch is 0;
-    the module itself otherwise, the float32 exactness path always."""
+    """kernels.layer_ops.linear with RAY_RUNTIME_SKINNY_GEMM=1: the skinny kernel where the
+    fused kernels run (half precision on CUDA; forced here), rows <= SKINNY_MAX_ROWS and it
+    was timed faster; the module itself otherwise (and by default), the float32 exactness
+    path always."""
     import kernels.layer_ops as layer_ops
     import kernels.skinny_gemm_triton as skinny
 
@@ -59,6 +60,7 @@ def test_linear_takes_the_kernel_for_few_half_precision_rows_only(monkeypatch):
     monkeypatch.setattr(skinny, "skinny_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     layer = torch.nn.Linear(32, 24, bias=True).to(torch.float16)
     x = torch.randn(SKINNY_MAX_ROWS + 4, 32).to(torch.float16)
+    monkeypatch.setenv(layer_ops.SKINNY_GEMM_ENV, "1")
     layer_ops.linear(x[:2], layer)  # on CPU: the module
     assert calls == []
     monkeypatch.setattr(layer_ops, "_fused", lambda t: True)
