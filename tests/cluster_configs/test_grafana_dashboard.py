@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from ray_runtime.metrics import METRICS
+from ray_runtime.metric_defs import METRICS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DASHBOARD = os.path.join(ROOT, "cluster_configs", "grafana", "ray_pp_dashboard.json")

@@ -2,7 +2,7 @@
 side effects at import (metrics_scrape_run.py sets Ray's report interval when imported)."""
 from __future__ import annotations
 
-from ray_runtime.metrics import METRICS
+from ray_runtime.metric_defs import METRICS
 
 FINISH_REASONS = ("stop", "length", "abort")  # request_success's finished_reason values
 

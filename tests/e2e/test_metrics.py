@@ -5,7 +5,7 @@ records nothing. tests/e2e/test_metrics_prometheus.py scrapes the real export po
 import pytest
 
 from ray_runtime import LLM, SamplingParams
-from ray_runtime.metrics import METRICS, label_sets
+from ray_runtime.metric_defs import METRICS, label_sets
 from tests.conftest import stress_workload
 
 

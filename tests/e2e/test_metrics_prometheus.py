@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from ray_runtime.metrics import METRICS
+from ray_runtime.metric_defs import METRICS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

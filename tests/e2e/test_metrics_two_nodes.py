@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from ray_runtime.metrics import METRICS
+from ray_runtime.metric_defs import METRICS
 from tests.conftest import ROOT
 from tests.e2e.metrics_series import FINISH_REASONS, expected_series
 from tests.e2e.private_ray import run_private_ray

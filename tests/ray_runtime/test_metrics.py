@@ -13,6 +13,7 @@ import time
 import pytest
 
 from ray_runtime import metrics as M
+from ray_runtime.metric_defs import METRICS
 from ray_runtime.messages import NewRequestData, RowDigests, StageStepResult, StageTiming
 from ray_runtime.request import Request
 from ray_runtime.sampling_params import SamplingParams
@@ -105,9 +106,9 @@ class Clock:
 
 
 def test_names_kinds_and_tags_follow_vllm():
-    assert {d.name: (d.kind, d.tags) for d in M.METRICS} == EXPECTED
+    assert {d.name: (d.kind, d.tags) for d in METRICS} == EXPECTED
     prom = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
-    for d in M.METRICS:
+    for d in METRICS:
         assert d.full_name == "ray_pp:" + d.name and prom.match(d.full_name)
         # Ray 2.60 drops names with ':' on export: the registered name has none
         assert d.ray_name == "ray_pp_" + d.name and ":" not in d.ray_name
@@ -299,7 +300,7 @@ def _expected_series(pp):
     """(ray name, kind, tags beyond the base ones) of every counter and gauge series that
     must exist at engine start, built from METRICS' tags (not from metrics.label_sets)."""
     out = set()
-    for d in M.METRICS:
+    for d in METRICS:
         if d.kind == "histogram":
             continue
         assert set(d.tags) <= set(TAG_VALUES), f"{d.name}: a tag with no known values"
@@ -340,7 +341,7 @@ def test_every_counter_and_gauge_has_every_series_at_start(pp):
         assert ("ray_pp_stage_idle_fraction", "gauge", (("pp_rank", str(r)),)) in got
     # The test hook agrees: every counter and gauge, every label set, at 0.
     snap = m.snapshot()["metrics"]
-    for d in M.METRICS:
+    for d in METRICS:
         if d.kind == "histogram":
             assert d.full_name not in snap
             continue
@@ -374,7 +375,7 @@ def test_a_backend_refusing_a_counters_zero_warns_once_and_goes_on(caplog):
     assert len([r for r in caplog.records if "first increment" in r.message]) == 1
     assert isinstance(m.zero_init_failed, ValueError) and not m._warned
     assert {n for n, mth, _, _ in backend.calls} == \
-        {d.ray_name for d in M.METRICS if d.kind == "gauge"}
+        {d.ray_name for d in METRICS if d.kind == "gauge"}
     totals["num_preemptions"] = 2
     m.flush()
     assert [v for v, _ in backend.of("num_preemptions", "inc")] == [2]
