@@ -11,7 +11,9 @@ the steps, medians in ms:
                     micro-batch's next step (s + PP steps later with PP micro-batches)
   host_lead_ms      a stage's device start - its host's launch start, same step: near 0 means
                     the device waited for its host (the host sets the pace)
-and window_idle_fraction, per stage: 1 - its device's busy time over the window's wall time.
+and window_idle_fraction, per stage: 1 - its device's busy time over the window's wall time;
+fed_from_lag: how many steps back the step whose fed-back samples each of rank 0's steps
+waited for lies ({lag: steps}; with PP micro-batches, PP: the micro-batch's previous step).
 
   python bench/pipeline_timeline.py TRACE.json [--json OUT]
 """
@@ -74,7 +76,20 @@ def timeline(events: list[dict]) -> dict:
         "host_lead_ms": [med(gpu[k][s][0] - host[k][s][0] for s in window
                              if both(gpu[k], s, host[k], s)) for k in range(pp)],
         "window_idle_fraction": [idle(gpu[k], window) for k in range(pp)],
+        "fed_from_lag": fed_from_lags(events, window),
     }
+
+
+def fed_from_lags(events: list[dict], window: range) -> dict[int, int]:
+    """{step - fed_from: count} over rank 0's steps in the window that waited for fed-back
+    samples (the trace's `fed_from` on rank 0's spans, ray_runtime/trace.py)."""
+    lags: collections.Counter = collections.Counter()
+    for e in events:
+        a = e.get("args", {})
+        if e.get("tid") == 1 and e.get("name") == "compute" and "fed_from" in a \
+                and a["step"] in window:
+            lags[a["step"] - a["fed_from"]] += 1
+    return dict(sorted(lags.items()))
 
 
 def idle(spans: dict, window: range) -> float | None:

@@ -99,6 +99,9 @@ class StageTiming(msgspec.Struct, array_like=True, gc=False):
     # rank 0 with token feedback: time the host waited for the last rank's sampled tokens
     # (on CPU; on CUDA the device waits, which gpu_busy_s leaves out)
     token_wait_s: float = 0.0
+    # rank 0 with token feedback: the newest step whose fed-back samples this step waited for
+    # (the device waits on CUDA); -1 when it embedded none still in flight
+    fed_from_step: int = -1
     # RAY_RUNTIME_PHASE_CLOCK (stages/profiling.py): the stage's cumulative host time per
     # phase so far, {name: (count, seconds)}; None when the clock is off
     phases: Optional[dict[str, tuple[int, float]]] = None

@@ -44,6 +44,8 @@ class PipelineTrace:
 
     def stage_step(self, rank: int, step_id: int, t: StageTiming) -> None:
         tid, args = rank + 1, {"step": step_id}
+        if t.fed_from_step >= 0:  # rank 0: which step's fed-back samples this one waited for
+            args["fed_from"] = t.fed_from_step
         prev = self._last_end[rank]
         if prev is not None and t.start > prev:
             self._span(tid, "idle", prev, t.start)

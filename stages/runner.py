@@ -227,13 +227,13 @@ class StageRunner:
             with phase("plan view"):
                 view = plan_view(plan, self.batch)  # what each request runs: inputs, digests
             inputs = self.prepare_inputs(view)
-        token_wait_s = 0.0
+        token_wait_s, fed_from = 0.0, -1
         if self.is_first:
             x = inputs.device.token_ids  # None when staged: the graph reads its own
             if len(inputs.patch_index):  # pending samples: their ids never left the device
                 t_wait = time.time()
                 with phase("feed tokens"):
-                    fed = self._fed_samples(inputs.patch_slot)
+                    fed, fed_from = self._fed_samples(inputs.patch_slot)
                 token_wait_s = time.time() - t_wait
                 if inputs.staged is None:  # (a staged step patches them in its graph)
                     x = x.clone()  # the staging buffer's view stays as staged
@@ -260,7 +260,7 @@ class StageRunner:
         with phase("mark computed"):
             self.batch.mark_computed_rows(inputs.rows, inputs.num_new)
         step = LaunchedStep(plan.step_id, start, recv_done, digests, digest_s, gpu_start,
-                            token_wait_s=token_wait_s)
+                            token_wait_s=token_wait_s, fed_from=fed_from)
         if self.is_last:
             with phase("sample"):
                 if in_graph:
@@ -283,12 +283,13 @@ class StageRunner:
         step.compute_done = time.time()
         return step
 
-    def _fed_samples(self, patch_slots: np.ndarray) -> torch.Tensor:
+    def _fed_samples(self, patch_slots: np.ndarray) -> tuple[torch.Tensor, int]:
         """[max_num_seqs] the device buffer of each slot's latest sample, made ready for the
-        pending samples of patch_slots: the last rank's own (PP=1), or those fed back."""
+        pending samples of patch_slots: the last rank's own (PP=1), or those fed back; and
+        the newest step whose fed-back samples the step waits for (-1: none)."""
         if self.token_receiver is not None:
-            self.token_receiver.feed(patch_slots)
-        return self.fed_tokens
+            return self.fed_tokens, self.token_receiver.feed(patch_slots)
+        return self.fed_tokens, -1
 
     def _sampled_tokens(self, step: "LaunchedStep") -> torch.Tensor:
         """The step's samples on the device, in the plan's sample order (one per request:
@@ -355,7 +356,8 @@ class StageRunner:
         timing = StageTiming(start=step.start, recv_done=step.recv_done,
                              compute_done=step.compute_done, end=time.time(),
                              digest_s=step.digest_s, gpu_busy_s=gpu_busy_s,
-                             token_wait_s=step.token_wait_s, phases=phase_clock(),
+                             token_wait_s=step.token_wait_s, fed_from_step=step.fed_from,
+                             phases=phase_clock(),
                              gpu_spans=spans)
         return StageStepResult(step_id=step.step_id, rank=self.rank, timing=timing,
                                digests=step.digests, sampler_output=out)

@@ -75,3 +75,4 @@ class LaunchedStep:
     deferred: Optional[DeferredSamples] = None
     tokens_ready: Optional[torch.cuda.Event] = None
     token_wait_s: float = 0.0  # rank 0, host path: waiting for the fed-back tokens
+    fed_from: int = -1  # rank 0: the newest step whose fed-back samples this one waits for

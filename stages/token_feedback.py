@@ -226,24 +226,29 @@ class TokenReceiver:
         with self._on_side_stream(entry):
             pass
 
-    def feed(self, patch_slots: np.ndarray) -> None:
+    def feed(self, patch_slots: np.ndarray) -> int:
         """Before a step embeds the pending samples of `patch_slots` (read from last_sampled):
-        make the compute stream (CUDA) or the host (CPU) wait for the steps that made them."""
+        make the compute stream (CUDA) or the host (CPU) wait for the steps that made them.
+        Returns the newest of those steps whose samples it waited for, -1 for none (all in
+        already): what the trace shows as the step's `fed_from`."""
         if self.failed is not None:
             raise FeedbackError(self.failed)
         if not len(patch_slots) or not self._incoming:
-            return
+            return -1
         needed = int(self.pending_step[patch_slots].max())
         if self._stream is not None:
             for entry in reversed(self._incoming):
                 if entry.step_id <= needed and entry.fed is not None:
                     torch.cuda.current_stream().wait_event(entry.fed)
-                    return
-            return
+                    return entry.step_id
+            return -1
+        waited = -1
         for entry in self._incoming:
             if entry.step_id > needed:
                 break
             self._scatter(entry)
+            waited = entry.step_id
+        return waited
 
     def _scatter(self, entry: _Incoming) -> None:
         if not entry.scattered:

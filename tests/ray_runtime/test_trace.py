@@ -58,7 +58,9 @@ def test_pipeline_timeline_reads_hops_and_the_feedback_loop():
     for rank, g in ((0, g0), (1, g1)):
         for s, t in sorted(g.items()):
             t /= 1e3
+            fed_from = s - 2 if rank == 0 and s >= 2 else -1  # the micro-batch's previous step
             tr.stage_step(rank, s, StageTiming(t - 2e-4, t - 1e-4, t, t + 1e-4, 0.0,
+                                               fed_from_step=fed_from,
                                                gpu_spans=[(s, t, t + 1e-3)]))
     out = timeline(tr.to_json()["traceEvents"])
     assert out["pp"] == 2
@@ -74,6 +76,8 @@ def test_pipeline_timeline_reads_hops_and_the_feedback_loop():
     assert out["gap_before_ms"][0] == pytest.approx(statistics.median(gaps), abs=1e-3)
     # and so over the window each device is busy 2 ms of every 2.75
     assert out["window_idle_fraction"] == [pytest.approx(0.75 / 2.75, abs=0.02)] * 2
+    # every step of rank 0 in the window waited for its micro-batch's previous step's samples
+    assert out["fed_from_lag"] == {2: len([s for s in g0 if lo <= s < hi])}
 
 
 def test_pipeline_timeline_needs_device_spans():

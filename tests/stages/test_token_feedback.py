@@ -64,7 +64,7 @@ def test_tokens_feed_the_device_buffer_and_land_in_step_order(link):
     receiver.post(10, slots, gens)
     receiver.post(11, np.zeros(0, np.int64), gens[:0])  # a step that samples nothing: no message
     sender.send(10, torch.tensor([41, 42]))
-    receiver.feed(slots[:1])  # a later step embeds c's pending sample
+    assert receiver.feed(slots[:1]) == 10  # a later step embeds c's pending sample, step 10's
     assert int(receiver.last_sampled[slots[0]]) == 41 and int(receiver.last_sampled[slots[1]]) == 42
     assert receiver.ready(10) and receiver.ready(11)
     receiver.land(10, b)
