@@ -13,7 +13,10 @@ planned: a request may be planned again while a step of it is in flight when
     `num_lanes` disjoint micro-batches (lanes), each step plans one lane (taking turns), and a
     lane's next step is planned on its pending samples while its running step is still in
     the pipeline. A request joins the lane whose turn admits it, while that lane holds less
-    than its fair share of the requests.
+    than its fair share of the requests. A lane is not planned again while fewer steps of
+    the other running lanes than there are of them came since its last one: rank 0 runs
+    steps in plan order, so a lane's step right behind its own previous one would hold rank
+    0 for a whole round trip of the pipeline (the driver waits for a reply instead).
 Otherwise (PP>1 with drafts) it waits for its token: each request then decodes every few
 steps and the micro-batches of different requests interleave in the pipeline.
 
@@ -67,6 +70,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.num_lanes = num_lanes
         self._next_lane = 0  # the lane whose turn the next step is
+        self._recent_lanes: deque[int] = deque(maxlen=max(num_lanes - 1, 1))  # latest plans' lanes
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.allow_placeholders = allow_placeholders
@@ -141,13 +145,28 @@ class Scheduler:
         n = self.num_lanes
         if n == 1:
             return self._schedule(None)
+        spacing = None  # how many of the latest plans a lane must not be among (on demand)
         for i in range(n):
             lane = (self._next_lane + i) % n
+            if lane in self._recent_lanes:
+                if spacing is None:
+                    spacing = self._lane_spacing()
+                if spacing and lane in list(self._recent_lanes)[-spacing:]:
+                    continue  # out of turn: it would wait behind its own step in flight
             record = self._schedule(lane)
             if record is not None:
                 self._next_lane = (lane + 1) % n
+                self._recent_lanes.append(lane)
                 return record
         return None
+
+    def _lane_spacing(self) -> int:
+        """How many of the latest plans a lane's next one must not directly follow: one per
+        other lane with running requests, while any step is in flight (with none, no step
+        can wait behind another)."""
+        if not any(r.num_inflight_steps for r in self.running):
+            return 0
+        return min(len({r.lane for r in self.running}) - 1, self.num_lanes - 1)
 
     def _schedule(self, lane: Optional[int]) -> Optional[PlanRecord]:
         """A plan of the running requests of `lane` (None: of all) and the admissions."""

@@ -36,6 +36,7 @@ def run(num_lanes: int, prompts: list[list[int]], max_tokens: list[int], infligh
     out_index = {}  # request -> outputs sampled so far (by the "last rank", ahead of commits)
     inflight_q: deque = deque()
     lanes_seen, most_in_flight, steps = [], 0, 0
+    run.active = []  # per plan: how many lanes had running requests when it was made
     while s.has_unfinished() or inflight_q:
         while len(inflight_q) < inflight:
             rec = s.schedule()
@@ -44,6 +45,7 @@ def run(num_lanes: int, prompts: list[list[int]], max_tokens: list[int], infligh
             lanes = {s.requests[r].lane for r in rec.plan.scheduled_req_ids}
             assert len(lanes) == 1, f"step {rec.plan.step_id} mixes lanes {lanes}"
             lanes_seen.append(lanes.pop())
+            run.active.append(len({r.lane for r in s.running}))
             inflight_q.append(rec)
             for r in rec.plan.scheduled_req_ids:
                 most_in_flight = max(most_in_flight, s.requests[r].num_inflight_steps)
@@ -119,3 +121,22 @@ def test_lanes_stay_even_with_a_deep_queue_through_the_run():
     assert lanes[:8] == [0, 1, 2, 3] * 2, f"a lane went unplanned while the queue was deep: {lanes}"
     counts = [lanes[:40].count(k) for k in range(4)]
     assert max(counts) - min(counts) <= 1, counts
+
+
+def test_a_lane_is_not_planned_twice_in_a_row_while_other_lanes_run():
+    """Found on 4x H200 (docs/benchmarks.md, the deep queue at PP=4): when the other lanes
+    had both their steps in flight, the scheduler planned a lane's next step right after its
+    previous one (a request admitted, then its first decode on the pending sample). Rank 0
+    runs steps in plan order, so it then waits a whole pipeline round trip for the samples
+    of the step just before: the lanes paired up (A A B B ...) and every stage idled ~60%.
+    With other lanes running, a lane's steps are spaced by theirs: the driver waits for a
+    reply instead of planning out of turn."""
+    prompts = [[4 + i % 5] * 6 for i in range(96)]
+    budgets = [24] * 96  # waves: a lane's requests finish together and new ones come in
+    outs, lanes, _ = run(4, prompts, budgets, inflight=8, budget=512)
+    active = run.active
+    ref, _, _ = run(1, prompts, budgets, inflight=1, budget=512)
+    assert outs == ref
+    adjacent = [i for i in range(1, len(lanes)) if lanes[i] == lanes[i - 1] and active[i] > 1]
+    assert not adjacent, (f"{len(adjacent)} plans of the lane planned just before, other lanes "
+                          f"running: first at plan {adjacent[0]}, lanes {lanes[adjacent[0] - 6:adjacent[0] + 6]}")
