@@ -13,10 +13,7 @@ planned: a request may be planned again while a step of it is in flight when
     `num_lanes` disjoint micro-batches (lanes), each step plans one lane (taking turns), and a
     lane's next step is planned on its pending samples while its running step is still in
     the pipeline. A request joins the lane whose turn admits it, while that lane holds less
-    than its fair share of the requests. A lane is not planned again while fewer steps of
-    the other running lanes than there are of them came since its last one: rank 0 runs
-    steps in plan order, so a lane's step right behind its own previous one would hold rank
-    0 for a whole round trip of the pipeline (the driver waits for a reply instead).
+    than its fair share of the requests; the turns and the shares are ray_runtime/lanes.py's.
 Otherwise (PP>1 with drafts) it waits for its token: each request then decodes every few
 steps and the micro-batches of different requests interleave in the pipeline.
 
@@ -45,8 +42,8 @@ from collections import deque
 from operator import attrgetter
 from typing import Optional
 
-from ray_runtime.config import lane_capacity
 from ray_runtime.kv_blocks import BlockManager
+from ray_runtime.lanes import LaneTurns
 from ray_runtime.messages import (
     CachedRequestData,
     NewRequestData,
@@ -69,8 +66,7 @@ class Scheduler:
                  num_speculative_tokens: int = 0, num_lanes: int = 1) -> None:
         self.max_num_seqs = max_num_seqs
         self.num_lanes = num_lanes
-        self._next_lane = 0  # the lane whose turn the next step is
-        self._recent_lanes: deque[int] = deque(maxlen=max(num_lanes - 1, 1))  # latest plans' lanes
+        self.lanes = LaneTurns(num_lanes, max_num_seqs)  # whose turn, and each lane's share
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.allow_placeholders = allow_placeholders
@@ -142,31 +138,14 @@ class Scheduler:
     def schedule(self) -> Optional[PlanRecord]:
         """The next step's plan, or None when nothing can run now. With lanes, the next lane
         that has something to run; the lanes take turns."""
-        n = self.num_lanes
-        if n == 1:
+        if self.num_lanes == 1:
             return self._schedule(None)
-        spacing = None  # how many of the latest plans a lane must not be among (on demand)
-        for i in range(n):
-            lane = (self._next_lane + i) % n
-            if lane in self._recent_lanes:
-                if spacing is None:
-                    spacing = self._lane_spacing()
-                if spacing and lane in list(self._recent_lanes)[-spacing:]:
-                    continue  # out of turn: it would wait behind its own step in flight
+        for lane in self.lanes.candidates(self.running):
             record = self._schedule(lane)
             if record is not None:
-                self._next_lane = (lane + 1) % n
-                self._recent_lanes.append(lane)
+                self.lanes.planned(lane)
                 return record
         return None
-
-    def _lane_spacing(self) -> int:
-        """How many of the latest plans a lane's next one must not directly follow: one per
-        other lane with running requests, while any step is in flight (with none, no step
-        can wait behind another)."""
-        if not any(r.num_inflight_steps for r in self.running):
-            return 0
-        return min(len({r.lane for r in self.running}) - 1, self.num_lanes - 1)
 
     def _schedule(self, lane: Optional[int]) -> Optional[PlanRecord]:
         """A plan of the running requests of `lane` (None: of all) and the admissions."""
@@ -289,14 +268,9 @@ class Scheduler:
             nums.append(num_new)
             budget -= num_new
 
-        # A lane admits up to its fair share of the requests that can run (running and
-        # waiting, at most max_num_seqs), so the micro-batches stay even as requests come and
-        # go, and a queue deeper than max_num_seqs does not fill the first lane alone.
-        lane_size = share = 0
+        lane_size = share = 0  # a lane admits up to its share (ray_runtime/lanes.py)
         if lane is not None and self.waiting:
-            lane_size = sum(1 for r in self.running if r.lane == lane)
-            runnable = min(self.max_num_seqs, len(self.running) + len(self.waiting))
-            share = lane_capacity(runnable, self.num_lanes)
+            lane_size, share = self.lanes.share(lane, self.running, len(self.waiting))
         # Admitting after a preemption in the same step would only thrash.
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs
@@ -532,18 +506,14 @@ class Scheduler:
 
     @property
     def max_lane_size(self) -> int:
-        """The most requests one lane holds: its share of max_num_seqs (what a stage's decode
-        graphs are captured up to)."""
-        return lane_capacity(self.max_num_seqs, self.num_lanes)
+        """The most requests one lane holds (what a stage's decode graphs are captured up to)."""
+        return self.lanes.max_lane_size
 
     def check(self) -> None:
         self.blocks.check()
         assert len(self.running) <= self.max_num_seqs
         if self.num_lanes > 1:
-            sizes = [0] * self.num_lanes
-            for req in self.running:
-                sizes[req.lane] += 1
-            assert max(sizes) <= self.max_lane_size, f"lane sizes {sizes} over {self.max_lane_size}"
+            self.lanes.check(self.running)
         for req in self.running:
             assert req.status is RequestStatus.RUNNING
             assert 0 <= req.num_computed_tokens <= \
