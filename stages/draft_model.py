@@ -30,7 +30,8 @@ _DRAFT_SEED_SALT = 0xD7AF_7000
 
 
 class DraftModelProposer:
-    def __init__(self, config: EngineConfig, target: ModelSpec, unseeded: torch.Generator) -> None:
+    def __init__(self, config: EngineConfig, target: ModelSpec, unseeded: torch.Generator,
+                 max_positions: Optional[int] = None) -> None:
         self.spec = ModelSpec.from_dir(config.speculative_config.model)
         if self.spec.vocab_size != target.vocab_size:
             raise ValueError(f"speculative_config.model: the draft's vocab_size "
@@ -38,8 +39,10 @@ class DraftModelProposer:
         self.dtype = getattr(torch, config.dtype)
         self.device = config.device
         self.block_size = config.block_size
+        # its positions are the target's requests': its rope tables cover the target's
+        # max_model_len, whatever its own checkpoint's context
         self.model = build_stage(self.spec, LayerSpan.of_layers(0, self.spec.num_layers), True, True,
-                                 self.dtype, self.device)
+                                 self.dtype, self.device, max_positions=max_positions)
         self.kv_caches: list = []
         self._unseeded = unseeded
         # req_id -> (incarnation, drafts, q [m, V]) for sampled (non-greedy) requests

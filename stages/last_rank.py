@@ -30,7 +30,8 @@ class LastRank:
         self.spec_config = config.speculative_config
         self.verifier = SpecVerifier(torch.device(self.device), self.sampler.unseeded) \
             if self.spec_config else None
-        self.drafter = DraftModelProposer(config, spec, self.sampler.unseeded) \
+        self.drafter = DraftModelProposer(config, spec, self.sampler.unseeded,
+                                          max_positions=batch.max_model_len) \
             if self.verifier and self.spec_config.method == "draft_model" else None
         # [>= max_num_seqs] each slot's latest sample, written by the device (the runner's
         # buffer: at PP=1 the first rank's fed ids read it); read only for a slot with a

@@ -344,14 +344,25 @@ class StageModel(nn.Module):
         self.eval()
 
 
+def fused_kernels(device: str, dtype: torch.dtype) -> bool:
+    """Whether a stage runs the fused kernels (half precision on CUDA): fused projections,
+    rope tables. Float32, the exactness mode, keeps transformers' ops one by one."""
+    return device == "cuda" and dtype != torch.float32
+
+
 def build_stage(spec: ModelSpec, span: LayerSpan, is_first: bool, is_last: bool,
-                dtype: torch.dtype, device: str) -> StageModel:
-    """Allocate nothing for the skeleton (meta device), then take the checkpoint's tensors."""
+                dtype: torch.dtype, device: str, max_positions: Optional[int] = None) -> StageModel:
+    """Allocate nothing for the skeleton (meta device), then take the checkpoint's tensors.
+    max_positions: the most positions a step of this engine runs at (its max_model_len), the
+    rows of the rope tables the fused kernel indexes without a bound check; default the
+    checkpoint's max_position_embeddings. A draft model must be given the target's: its
+    positions follow the target's requests, not its own checkpoint's context."""
     with torch.device("meta"):
         model = StageModel(spec, span, is_first, is_last)
     model.load_checkpoint(dtype, device)
-    if device == "cuda" and dtype != torch.float32:  # where the fused kernels run too
-        model.rope_tables = model.rotary.tables(spec.max_position_embeddings, dtype, device)
+    if fused_kernels(device, dtype):
+        model.rope_tables = model.rotary.tables(max_positions or spec.max_position_embeddings,
+                                                dtype, device)
         for layer in model.layers:
             if layer.self_attn is not None:
                 layer.self_attn.fuse()

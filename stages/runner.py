@@ -48,7 +48,7 @@ class StageRunner:
         self.dtype = getattr(torch, config.dtype)
         self.spec = ModelSpec.from_dir(config.model)
         self.model = build_stage(self.spec, span, self.is_first, self.is_last,
-                                 self.dtype, self.device)
+                                 self.dtype, self.device, max_positions=max_model_len)
         self.num_layers = len(span.attention_layers)  # the layers whose KV cache is here
         self.batch = InputBatch(config.max_num_seqs, max_model_len, config.block_size)
         # [max_num_seqs + 1] each slot's latest sample on the device: the last rank's own

@@ -151,3 +151,39 @@ def test_a_stage_with_rope_tables_equals_one_computing_cos_sin_per_step(tiny_mod
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert all(torch.equal(x, y) for pa, pb in zip(kva, kvb) for x, y in zip(pa, pb))
     assert any(c.abs().sum() > 0 for c in kva[0])  # the caches were written at all
+
+
+def test_rope_tables_cover_the_engine_s_positions_for_the_draft_model_too(tiny_root, monkeypatch):
+    """Found in review: the tables were sized by each checkpoint's max_position_embeddings,
+    and the fused kernel indexes them without a bound check. A draft model runs at the
+    target's positions (up to its max_model_len), which its own checkpoint may not cover:
+    every stage's tables, the draft's included, have the engine's max_model_len rows."""
+    from ray_runtime.config import EngineConfig
+    from ray_runtime.layer_span import LayerSpan
+    import stages.model as model_mod
+    from stages.model_spec import ModelSpec
+    from stages.runner import StageRunner
+    from tests.tiny_models import make_draft_model, make_tiny_model
+
+    target = make_tiny_model("qwen2", tiny_root)
+    draft = make_draft_model("qwen2", tiny_root)
+    max_model_len = ModelSpec.from_dir(draft).max_position_embeddings + 100  # beyond the draft's
+    built = []
+    real = model_mod.build_stage
+
+    def spy(spec, span, is_first, is_last, dtype, device, max_positions=None):
+        built.append(max_positions)
+        return real(spec, span, is_first, is_last, dtype, device, max_positions)
+
+    monkeypatch.setattr(model_mod, "fused_kernels", lambda device, dtype: True)  # CPU: tables too
+    monkeypatch.setattr("stages.runner.build_stage", spy)
+    monkeypatch.setattr("stages.draft_model.build_stage", spy)
+    spec = ModelSpec.from_dir(target)
+    cfg = EngineConfig(model=target, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64,
+                       max_model_len=max_model_len, dtype="bfloat16", disable_log_stats=True,
+                       speculative_config={"method": "draft_model", "num_speculative_tokens": 2,
+                                           "model": draft})
+    runner = StageRunner(cfg, 0, LayerSpan.of_layers(0, spec.num_layers), max_model_len)
+    assert built == [max_model_len, max_model_len]  # the target's stage, then the draft
+    assert len(runner.model.rope_tables.cos) == max_model_len
+    assert len(runner.last.drafter.model.rope_tables.cos) == max_model_len
