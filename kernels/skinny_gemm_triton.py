@@ -13,8 +13,9 @@ Measured on an H200 (bench/kernel_check.py), this kernel beats the library's at 
 and loses at most (a 1-row 2048 -> 1024 projection: 5.0 against 12.4 us; a 1-row 1024 ->
 6144 one: 5.9 against 5.0). So `faster_at` times both once per shape on the device, each in
 a CUDA graph (so launch costs do not count), and a linear layer takes whichever was faster.
-Opt-in (RAY_RUNTIME_SKINNY_GEMM=1, kernels/layer_ops.py) until that choice is measured on a
-GPU.
+The timing cycles through copies of the weight that together overflow the L2 cache: in a
+decode step each weight streams in from memory, and a weight timed hot in L2 had the skinny
+kernel chosen at 8 rows where the step then ran 2-3% slower (docs/benchmarks.md).
 
 Numerics: a float32 sum in another order than the library's, rounded once, as a bf16 GEMM
 is; not bit-identical to it (only a bf16/fp16 model on CUDA takes this path; float32, the
@@ -62,27 +63,43 @@ def faster_at(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """Whether skinny_linear beat torch's linear at this shape on this device. Timed the
     first time the shape comes (a stage's warm-up runs every decode size before capturing
     its graphs); a shape first seen while a graph is being captured takes torch's, untimed.
-    timer(fn) -> seconds per call (default: fn replayed in a CUDA graph)."""
+    timer(fn, weight) -> seconds per call of fn(w) for w like weight (default: replayed in
+    a CUDA graph over copies of weight that overflow the L2 cache, _graph_time)."""
     key = (x.shape[0], weight.shape[0], weight.shape[1], x.dtype, bias is not None)
     if key not in _faster:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return False
         timer = timer or _graph_time
-        _faster[key] = timer(lambda: skinny_linear(x, weight, bias)) < \
-            timer(lambda: torch.nn.functional.linear(x, weight, bias))
+        try:
+            _faster[key] = timer(lambda w: skinny_linear(x, w, bias), weight) < \
+                timer(lambda w: torch.nn.functional.linear(x, w, bias), weight)
+        except torch.cuda.OutOfMemoryError:  # no room for the copies: the library's kernel
+            _faster[key] = False
     return _faster[key]
 
 
-def _graph_time(fn, calls: int = 20, reps: int = 3) -> float:
-    """Seconds per call of fn, from a CUDA graph of `calls` calls replayed `reps` times."""
+def cold_copies(weight: torch.Tensor, max_copies: int = 64) -> list[torch.Tensor]:
+    """Copies of weight that together span twice the device's L2 cache (at most max_copies,
+    at least two), so that cycling through them reads each from memory, as a decode step
+    does."""
+    l2 = getattr(torch.cuda.get_device_properties(weight.device), "L2_cache_size", 0) or (64 << 20)
+    nbytes = max(1, weight.numel() * weight.element_size())
+    count = max(2, min(max_copies, -(-2 * l2 // nbytes)))
+    return [weight.clone() for _ in range(count)]
+
+
+def _graph_time(fn, weight: torch.Tensor, reps: int = 3) -> float:
+    """Seconds per call of fn(w), from a CUDA graph of one call per copy of weight
+    (cold_copies) replayed `reps` times."""
+    copies = cold_copies(weight)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()  # compiled, workspaces made
+        fn(weight)  # compiled, workspaces made
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            for _ in range(calls):
-                fn()
+            for w in copies:
+                fn(w)
         graph.replay()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -91,7 +108,7 @@ def _graph_time(fn, calls: int = 20, reps: int = 3) -> float:
         end.record()
         end.synchronize()
     torch.cuda.current_stream().wait_stream(stream)
-    return start.elapsed_time(end) / 1e3 / (calls * reps)
+    return start.elapsed_time(end) / 1e3 / (len(copies) * reps)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor,

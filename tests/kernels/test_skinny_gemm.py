@@ -82,7 +82,8 @@ def test_faster_at_times_each_shape_once_and_never_while_capturing(monkeypatch):
     monkeypatch.setattr(skinny, "_faster", {})
     timed = []
 
-    def timer(fn):  # the skinny kernel is timed first: call it "slower" at 2 rows
+    def timer(fn, weight):  # the skinny kernel is timed first: call it "slower" at 2 rows
+        assert weight is w
         timed.append(fn)
         return 1.0 if len(timed) % 2 else (0.5 if timed_rows[-1] == 2 else 2.0)
 
@@ -97,3 +98,20 @@ def test_faster_at_times_each_shape_once_and_never_while_capturing(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert skinny.faster_at(torch.zeros(4, 32), w, None, timer) is False and len(timed) == 4
     assert (4, 16, 32, torch.float32, False) not in skinny._faster
+
+
+def test_the_timing_copies_overflow_the_l2_cache(monkeypatch):
+    # a weight timed hot in L2 made the skinny kernel look faster at 8 rows than it runs in
+    # a decode step, where every weight streams in from memory
+    import types
+
+    import kernels.skinny_gemm_triton as skinny
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(L2_cache_size=1 << 20))
+    small = torch.zeros(128, 128)  # 64 KiB: 32 copies span 2 MiB
+    copies = skinny.cold_copies(small)
+    assert len(copies) == 32 and all(c.data_ptr() != small.data_ptr() for c in copies)
+    assert len({c.data_ptr() for c in copies}) == 32
+    assert len(skinny.cold_copies(torch.zeros(1024, 1024))) == 2  # 4 MiB: at least two
+    assert len(skinny.cold_copies(torch.zeros(8, 8))) == 64  # capped
