@@ -48,10 +48,10 @@ def test_names_what_does_not_fit():
 
 
 def test_linear_takes_the_kernel_for_few_half_precision_rows_only(monkeypatch):
-    """kernels.layer_ops.linear with RAY_RUNTIME_SKINNY_GEMM=1: the skinny kernel where the
-    fused kernels run (half precision on CUDA; forced here), rows <= SKINNY_MAX_ROWS and it
-    was timed faster; the module itself otherwise (and by default), the float32 exactness
-    path always."""
+    """kernels.layer_ops.linear: the skinny kernel where the fused kernels run (half precision
+    on CUDA; forced here), rows <= SKINNY_MAX_ROWS and it was timed faster, by default and
+    with RAY_RUNTIME_SKINNY_GEMM=1; the module itself otherwise, with =0, and on the float32
+    exactness path always."""
     import kernels.layer_ops as layer_ops
     import kernels.skinny_gemm_triton as skinny
 
@@ -74,6 +74,9 @@ def test_linear_takes_the_kernel_for_few_half_precision_rows_only(monkeypatch):
     monkeypatch.setenv(layer_ops.SKINNY_GEMM_ENV, "0")
     layer_ops.linear(x[:1], layer)
     assert calls == [1, SKINNY_MAX_ROWS]
+    monkeypatch.delenv(layer_ops.SKINNY_GEMM_ENV)  # on by default
+    layer_ops.linear(x[:1], layer)
+    assert calls == [1, SKINNY_MAX_ROWS, 1]
 
 
 def test_faster_at_times_each_shape_once_and_never_while_capturing(monkeypatch):
@@ -115,3 +118,13 @@ def test_the_timing_copies_overflow_the_l2_cache(monkeypatch):
     assert len({c.data_ptr() for c in copies}) == 32
     assert len(skinny.cold_copies(torch.zeros(1024, 1024))) == 2  # 4 MiB: at least two
     assert len(skinny.cold_copies(torch.zeros(8, 8))) == 64  # capped
+
+
+def test_faster_at_without_a_device_takes_the_library_kernel(monkeypatch):
+    # on by default, the choice must not try to time CUDA graphs where there is no GPU (the
+    # fused path forced on the CPU interpreter)
+    import kernels.skinny_gemm_triton as skinny
+
+    monkeypatch.setattr(skinny, "_faster", {})
+    assert skinny.faster_at(torch.zeros(2, 32), torch.zeros(16, 32), None) is False
+    assert skinny._faster == {}
