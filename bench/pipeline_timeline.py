@@ -15,6 +15,13 @@ and window_idle_fraction, per stage: 1 - its device's busy time over the window'
 fed_from_lag: how many steps back the step whose fed-back samples each of rank 0's steps
 waited for lies ({lag: steps}; with PP micro-batches, PP: the micro-batch's previous step).
 
+last_call: the whole of the trace's last generate call (the steps after the longest pause
+between the driver's plans), per stage, as fractions of its wall time (rank 0's first device
+start to the last stage's last device end): busy and idle in prefill steps and in decode
+steps (a step is a prefill step when at least half of its tokens are prompt tokens, from
+the plan's `tokens` and `reqs`; idle is the gap before a step, charged to that step), fill
+(before the stage's first step) and drain (after its last).
+
   python bench/pipeline_timeline.py TRACE.json [--json OUT]
 """
 from __future__ import annotations
@@ -77,7 +84,44 @@ def timeline(events: list[dict]) -> dict:
                              if both(gpu[k], s, host[k], s)) for k in range(pp)],
         "window_idle_fraction": [idle(gpu[k], window) for k in range(pp)],
         "fed_from_lag": fed_from_lags(events, window),
+        "last_call": last_call(events, gpu, pp),
     }
+
+
+def last_call(events: list[dict], gpu: dict, pp: int) -> dict | None:
+    """Busy and idle by the kind of step over the last generate call (see the module's doc);
+    None for a trace whose plans do not carry `tokens`."""
+    plans = sorted((e["ts"] / 1e3, e["args"]) for e in events
+                   if e.get("ph") == "X" and e.get("tid") == 0 and e.get("name") == "plan")
+    if len(plans) < 2 or "tokens" not in plans[0][1]:
+        return None
+    pause = max(range(1, len(plans)), key=lambda i: plans[i][0] - plans[i - 1][0])
+    first = plans[pause][1]["step"] if plans[pause][0] - plans[pause - 1][0] > 0 else 0
+    kind = {a["step"]: "prefill" if a["tokens"] >= 2 * max(1, a["reqs"]) else "decode"
+            for _, a in plans if a["step"] >= first}
+    steps = sorted(s for s in kind if all(s in gpu[k] for k in range(pp)))
+    if not steps:
+        return None
+    t_start, t_end = gpu[0][steps[0]][0], gpu[pp - 1][steps[-1]][1]
+    wall = t_end - t_start
+    out: dict = {"steps": len(steps), "wall_ms": round(wall, 1),
+                 "prefill_steps": sum(kind[s] == "prefill" for s in steps)}
+    for k in range(pp):
+        acc = collections.Counter()
+        prev_end = None
+        for s in steps:
+            t0, t1 = gpu[k][s]
+            acc[kind[s] + "_busy"] += t1 - t0
+            if prev_end is None:
+                acc["fill"] += t0 - t_start
+            else:
+                acc[kind[s] + "_idle"] += max(0.0, t0 - prev_end)
+            prev_end = t1
+        acc["drain"] += t_end - prev_end
+        out[f"stage{k}"] = {key: round(acc[key] / wall, 3) for key in
+                            ("prefill_busy", "prefill_idle", "decode_busy", "decode_idle",
+                             "fill", "drain")}
+    return out
 
 
 def fed_from_lags(events: list[dict], window: range) -> dict[int, int]:

@@ -225,7 +225,8 @@ class EngineCore:
             if self.metrics is not None:
                 self.metrics.on_plan(record.plan, self.scheduler.num_scheduled_tokens_total, t1)
             self.trace.driver_span("plan", t0, t1, step=record.plan.step_id,
-                                   reqs=len(record.plan.scheduled_req_ids))
+                                   reqs=len(record.plan.scheduled_req_ids),
+                                   tokens=record.plan.total_num_scheduled_tokens)
 
     def _complete_oldest(self) -> list[str]:
         """Read, audit and commit the oldest step; the ids it sampled for."""

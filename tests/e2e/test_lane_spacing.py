@@ -28,3 +28,9 @@ def test_a_deep_queue_keeps_the_lanes_in_turn(ray_cluster, tiny_model, tmp_path)
     # the lag is pp while every lane runs; less only as the last lanes drain
     assert lags[pp] >= 0.8 * sum(lags.values()), f"lanes out of turn: {dict(lags)}"
     assert lags[1] <= 0.05 * sum(lags.values()), f"steps right behind their own: {dict(lags)}"
+    # the plans' spans carry their token counts (bench/pipeline_timeline.py's prefill/decode
+    # split): every token of every request ran once, recomputed ones aside
+    plans = [e["args"] for e in json.loads(path.read_text())["traceEvents"] if e.get("name") == "plan"]
+    assert sum(a["tokens"] for a in plans) >= sum(len(p) + m - 1 for p, m in zip(prompts, budgets))
+    assert any(a["tokens"] == a["reqs"] for a in plans)  # decode steps
+    assert any(a["tokens"] >= 2 * a["reqs"] for a in plans)  # steps of mostly prompt tokens

@@ -80,6 +80,37 @@ def test_pipeline_timeline_reads_hops_and_the_feedback_loop():
     assert out["fed_from_lag"] == {2: len([s for s in g0 if lo <= s < hi])}
 
 
+def test_pipeline_timeline_splits_the_last_call_by_the_kind_of_step():
+    """last_call: a warm-up call, a pause, then two prefill steps (4 ms on stage 0, 2 on
+    stage 1) and two decode steps (1 ms on each); the stage 1 waits for stage 0 (fill 4 ms,
+    then 2 ms before the second prefill step), stage 0 drains 2 ms at the end. Wall 12 ms."""
+    from bench.pipeline_timeline import timeline
+
+    tr = PipelineTrace(2, record_events=True)
+    ms = 1e-3
+    warm = {0: {s: (-100 + s, -99.5 + s) for s in range(4)},
+            1: {s: (-99.5 + s, -99 + s) for s in range(4)}}
+    call = {0: {4: (0, 4), 5: (4, 8), 6: (8, 9), 7: (9, 10)},
+            1: {4: (4, 6), 5: (8, 10), 6: (10, 11), 7: (11, 12)}}
+    for s in range(8):
+        t = (-100 + s if s < 4 else -1 + 0.01 * s) * ms
+        prefill = s in (4, 5)
+        tr.driver_span("plan", t, t + 1e-5, step=s, reqs=2, tokens=100 if prefill else 2)
+    for spans in (warm, call):
+        for rank in (0, 1):
+            for s, (a, b) in spans[rank].items():
+                tr.stage_step(rank, s, StageTiming(a * ms - 2e-4, a * ms - 1e-4, a * ms,
+                                                   a * ms + 1e-4, 0.0,
+                                                   gpu_spans=[(s, a * ms, b * ms)]))
+    got = timeline(tr.to_json()["traceEvents"])["last_call"]
+    assert got["steps"] == 4 and got["prefill_steps"] == 2 and got["wall_ms"] == 12.0
+    r = lambda x: round(x / 12, 3)  # noqa: E731
+    assert got["stage0"] == {"prefill_busy": r(8), "prefill_idle": 0.0, "decode_busy": r(2),
+                             "decode_idle": 0.0, "fill": 0.0, "drain": r(2)}
+    assert got["stage1"] == {"prefill_busy": r(4), "prefill_idle": r(2), "decode_busy": r(2),
+                             "decode_idle": 0.0, "fill": r(4), "drain": 0.0}
+
+
 def test_pipeline_timeline_needs_device_spans():
     from bench.pipeline_timeline import timeline
 
