@@ -15,8 +15,8 @@ and window_idle_fraction, per stage: 1 - its device's busy time over the window'
 fed_from_lag: how many steps back the step whose fed-back samples each of rank 0's steps
 waited for lies ({lag: steps}; with PP micro-batches, PP: the micro-batch's previous step).
 
-last_call: the whole of the trace's last generate call (the steps after the longest pause
-between the driver's plans), per stage, as fractions of its wall time (rank 0's first device
+last_call: the whole of the trace's last generate call (from the plan that came the longest
+after the pipeline had emptied, the pause between calls), per stage, as fractions of its wall time (rank 0's first device
 start to the last stage's last device end): busy and idle in prefill steps and in decode
 steps (a step is a prefill step when at least half of its tokens are prompt tokens, from
 the plan's `tokens` and `reqs`; idle is the gap before a step, charged to that step), fill
@@ -95,8 +95,17 @@ def last_call(events: list[dict], gpu: dict, pp: int) -> dict | None:
                    if e.get("ph") == "X" and e.get("tid") == 0 and e.get("name") == "plan")
     if len(plans) < 2 or "tokens" not in plans[0][1]:
         return None
-    pause = max(range(1, len(plans)), key=lambda i: plans[i][0] - plans[i - 1][0])
-    first = plans[pause][1]["step"] if plans[pause][0] - plans[pause - 1][0] > 0 else 0
+    # The call starts at the plan that came the longest after the pipeline emptied (the last
+    # stage done with every earlier step): the pause between two calls.
+    ends = gpu[pp - 1]
+    emptied, first, longest = [], 0, 0.0  # emptied[s]: the last stage done with steps < s
+    for s in range(max(ends) + 2):
+        emptied.append(max(emptied[-1], ends[s - 1][1]) if s and s - 1 in ends and emptied[-1]
+                       is not None else (None if s else float("-inf")))
+    for t, a in plans:
+        step = a["step"]
+        if 0 < step < len(emptied) and emptied[step] is not None and t - emptied[step] > longest:
+            first, longest = step, t - emptied[step]
     kind = {a["step"]: "prefill" if a["tokens"] >= 2 * max(1, a["reqs"]) else "decode"
             for _, a in plans if a["step"] >= first}
     steps = sorted(s for s in kind if all(s in gpu[k] for k in range(pp)))

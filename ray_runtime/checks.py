@@ -75,11 +75,16 @@ def as_int_list(value, name: str, lo: int, hi: int, limits: str) -> list[int]:
         value = value.tolist()  # bool or float arrays become bools / floats: refused below
     elif not isinstance(value, (list, tuple)):
         raise InputTypeError(f"{name} must be a list of integers, got {show(value)}")
-    ints = []
-    for t in value:
-        if not _is_int(t):
-            raise InputTypeError(f"{name} must hold integers only, got {show(t)}")
-        ints.append(int(t))
+    if all(type(t) is int for t in value):  # plain ints (bools excluded): the usual case
+        ints = list(value)
+    else:
+        ints = []
+        for t in value:
+            if not _is_int(t):
+                raise InputTypeError(f"{name} must hold integers only, got {show(t)}")
+            ints.append(int(t))
+    if ints and lo <= min(ints) and max(ints) <= hi:
+        return ints
     bad = [t for t in ints if not lo <= t <= hi]
     if bad:
         shown = ", ".join(_repr.repr(t) for t in bad[:5])

@@ -360,3 +360,22 @@ def test_sampling_params_argument(n, bad):
     assert as_params_list((sp,) * n, n) == [sp] * n
     raises_naming("sampling_params", lambda: as_params_list(bad, n))
     raises_naming("sampling_params", lambda: as_params_list([sp] * (n + 1), n))
+
+
+def test_int_lists_plain_numpy_bool_and_range():
+    """checks.as_int_list: plain ints pass as they are (the fast path), numpy ints become
+    ints, bools and floats are refused by type, out-of-range values are named."""
+    import numpy as np
+
+    from ray_runtime.checks import InputTypeError, as_int_list
+
+    assert as_int_list([3, 0, 9], "ids", 0, 9, "in [0, 9]") == [3, 0, 9]
+    assert as_int_list((), "ids", 0, 9, "in [0, 9]") == []
+    got = as_int_list([np.int64(4), 5], "ids", 0, 9, "in [0, 9]")
+    assert got == [4, 5] and all(type(t) is int for t in got)
+    assert as_int_list(np.array([1, 2]), "ids", 0, 9, "in [0, 9]") == [1, 2]
+    for bad in ([1, True], [1, 2.0], np.array([1.0]), [None]):
+        with pytest.raises(InputTypeError, match="ids must hold integers only"):
+            as_int_list(bad, "ids", 0, 9, "in [0, 9]")
+    with pytest.raises(ValueError, match=r"ids \[-1, 10\] outside in \[0, 9\]"):
+        as_int_list([-1, 3, 10], "ids", 0, 9, "in [0, 9]")
