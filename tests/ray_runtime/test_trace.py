@@ -81,19 +81,21 @@ def test_pipeline_timeline_reads_hops_and_the_feedback_loop():
 
 
 def test_pipeline_timeline_splits_the_last_call_by_the_kind_of_step():
-    """last_call: a warm-up call, a pause, then two prefill steps (4 ms on stage 0, 2 on
+    """last_call: a warm-up call, a pause (the pipeline empty), then two prefill steps (4 ms on stage 0, 2 on
     stage 1) and two decode steps (1 ms on each); the stage 1 waits for stage 0 (fill 4 ms,
     then 2 ms before the second prefill step), stage 0 drains 2 ms at the end. Wall 12 ms."""
     from bench.pipeline_timeline import timeline
 
     tr = PipelineTrace(2, record_events=True)
     ms = 1e-3
-    warm = {0: {s: (-100 + s, -99.5 + s) for s in range(4)},
-            1: {s: (-99.5 + s, -99 + s) for s in range(4)}}
+    # the warm-up's first step compiles for 200 ms: the longest wait between two plans is
+    # there, with the step still running (not the pause between calls)
+    warm = {0: {0: (-299, -100.5), **{s: (-100 + s, -99.5 + s) for s in range(1, 4)}},
+            1: {0: (-100.5, -100.2), **{s: (-99.5 + s, -99 + s) for s in range(1, 4)}}}
     call = {0: {4: (0, 4), 5: (4, 8), 6: (8, 9), 7: (9, 10)},
             1: {4: (4, 6), 5: (8, 10), 6: (10, 11), 7: (11, 12)}}
     for s in range(8):
-        t = (-100 + s if s < 4 else -1 + 0.01 * s) * ms
+        t = (-300 if s == 0 else -100 + s if s < 4 else -1 + 0.01 * s) * ms
         prefill = s in (4, 5)
         tr.driver_span("plan", t, t + 1e-5, step=s, reqs=2, tokens=100 if prefill else 2)
     for spans in (warm, call):
