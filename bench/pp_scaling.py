@@ -118,6 +118,20 @@ def partition_suffix(part: str) -> str:
     return "" if part == "balanced" else "_partition_" + part.replace(",", "_")
 
 
+def trace_timeline(path: str) -> Optional[dict]:
+    """bench/pipeline_timeline.py's figures for a run's trace (its `last_call`: the run's last
+    generate call, the longest output length), or None without device spans (the phase
+    clock off)."""
+    from bench.pipeline_timeline import timeline
+
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    try:
+        return timeline(events)
+    except ValueError:
+        return None
+
+
 def per_step(after: dict, before: dict, key: str) -> list[float]:
     """ms per step of a per-stage seconds counter between two stats() snapshots."""
     return [round(1e3 * (a - z) / max(1, n1 - n0), 3) for a, z, n1, n0 in
@@ -184,6 +198,7 @@ def main() -> None:
     reqs = [{"prompt_token_ids": [rng.randrange(3, 128000) for _ in range(args.input_len)]}
             for _ in range(args.requests * scale)]
     rows = []
+    timelines: dict = {}
     runs = [(pp, m, fb, n, part) for pp in args.pp for m in args.modes
             for fb in (args.feedback if pp > 1 and m == "async" else ["on"])
             for n in (args.inflight if pp > 1 and m == "async" else [0])
@@ -241,10 +256,14 @@ def main() -> None:
                 if phases is not None:
                     rows[-1]["stage_phase_ms_per_step"] = phases
                 print(rows[-1], flush=True)
+        if args.trace_dir:  # written as the engine shut down: where the last call's time went
+            timelines[name] = trace_timeline(os.path.join(args.trace_dir, f"trace_{name}.json"))
     result = {"model": {"shape": "Llama-3-8B", **SHAPE, "num_hidden_layers": args.layers, "dtype": "bfloat16", "weights": "random"},
               "workload": {"requests": args.requests, "matched": args.matched,
                            "max_num_seqs": args.max_num_seqs, "input_len": args.input_len,
                            "output_len": args.output_len, "ignore_eos": True}, "rows": rows}
+    if timelines:
+        result["pipeline_timeline"] = timelines
     pp1 = {(r["output_len"], r["requests"]): r["output_tok_s"] for r in rows
            if r["pp"] == 1 and r["async"]}
     if not pp1 and any(r["pp"] > 1 for r in rows):
