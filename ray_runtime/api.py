@@ -22,10 +22,6 @@ from ray_runtime.sampling_params import RequestOutputKind, SamplingParams
 from ray_runtime.validation import as_params_list, as_prompt_list
 
 POLL_S = 1.0  # how long one poll of the engine's outputs may wait
-# Requests go to the driver in chunks of this many: it plans the first step while the rest are
-# still being serialized and added (1,024 prompts of 256 tokens: ~50 ms to add at once, all of
-# it the pipeline's idle time before the first step).
-ADD_CHUNK = 64
 
 
 class LLM(EngineClient):
@@ -66,8 +62,7 @@ class LLM(EngineClient):
         done: dict[str, RequestOutput] = {}
         failed: dict[str, str] = {}
         try:
-            ray.get([driver.add_requests.remote(specs[i:i + ADD_CHUNK])
-                     for i in range(0, len(specs), ADD_CHUNK)])
+            ray.get(driver.add_requests.remote(specs))
             while len(done) + len(failed) < len(order):
                 outs, aborts = processor.process(self._poll(POLL_S))
                 if aborts:

@@ -181,19 +181,3 @@ def test_results_in_input_order_with_one_params_per_prompt(llm):
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate(prompts, params[:2])
 
-
-def test_requests_added_in_chunks_run_as_one_call(llm, monkeypatch):
-    """generate() sends its requests to the driver in chunks (api.ADD_CHUNK) so the first
-    step starts while the rest are added: the outputs equal those of one chunk, in input
-    order, and a bad prompt anywhere still stops the whole call before anything runs."""
-    import ray_runtime.api as api
-
-    prompts = [{"prompt_token_ids": [5 + i, 6, 7 + 2 * i] * (1 + i % 3)} for i in range(7)]
-    params = [SamplingParams(max_tokens=2 + i % 4, temperature=0, ignore_eos=True) for i in range(7)]
-    whole = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    monkeypatch.setattr(api, "ADD_CHUNK", 2)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == whole
-    before = llm.stats()["num_steps"]
-    with pytest.raises(ValueError, match=r"prompts\[6\]"):
-        llm.generate(prompts[:6] + [{"prompt_token_ids": [VOCAB]}], params)
-    assert llm.stats()["num_steps"] == before, "nothing may run when a request is rejected"
