@@ -13,6 +13,8 @@ Measured on an H200 (bench/kernel_check.py), this kernel beats the library's at 
 and loses at most (a 1-row 2048 -> 1024 projection: 5.0 against 12.4 us; a 1-row 1024 ->
 6144 one: 5.9 against 5.0). So `faster_at` times both once per shape on the device, each in
 a CUDA graph (so launch costs do not count), and a linear layer takes whichever was faster.
+Shapes are timed only in the decode graphs' warm-up (timing_window): an eager step of few
+rows, or the memory profile, takes the library's kernel rather than time mid-run.
 The timing cycles through copies of the weight that together overflow the L2 cache: in a
 decode step each weight streams in from memory, and a weight timed hot in L2 had the skinny
 kernel chosen at 8 rows where the step then ran 2-3% slower. Timed cold, the choice made the
@@ -26,6 +28,8 @@ exactness mode, never does). Oracle: torch's matmul (tests/kernels/test_skinny_g
 under TRITON_INTERPRET=1; bench/kernel_check.py on the GPU).
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
@@ -58,28 +62,49 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-_faster: dict[tuple, bool] = {}  # (rows, n, k, dtype, bias?) -> the skinny kernel was faster
+# (device, rows, n, k, dtype, bias?) -> the skinny kernel was faster
+_faster: dict[tuple, bool] = {}
+_timing = False  # inside timing_window(): an untimed shape may be timed
+
+
+@contextlib.contextmanager
+def timing_window():
+    """Where faster_at may time a shape it has not seen: a stage's decode-graph warm-up
+    (stages/cuda_graphs.py), before the graphs are captured. Anywhere else (the memory
+    profile, serving) an untimed shape takes the library's kernel, untimed: timing
+    synchronizes, and its copies of a weight would count in the memory profile's peak. The
+    copies' memory goes back to the device when the window closes."""
+    global _timing
+    was, _timing = _timing, True
+    try:
+        yield
+    finally:
+        _timing = was
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def faster_at(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               timer=None) -> bool:
-    """Whether skinny_linear beat torch's linear at this shape on this device. Timed the
-    first time the shape comes (a stage's warm-up runs every decode size before capturing
-    its graphs); a shape first seen while a graph is being captured takes torch's, untimed.
+    """Whether skinny_linear beat torch's linear at this shape on this device: timed the
+    first time the shape comes inside timing_window() (never while a graph is being
+    captured); outside it, or if the timing fails, torch's kernel.
     timer(fn, weight) -> seconds per call of fn(w) for w like weight (default: replayed in
     a CUDA graph over copies of weight that overflow the L2 cache, _graph_time)."""
-    key = (x.shape[0], weight.shape[0], weight.shape[1], x.dtype, bias is not None)
-    if key not in _faster:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return False
-        if timer is None and not x.is_cuda:  # nothing to time on (the CPU interpreter)
-            return False
-        timer = timer or _graph_time
-        try:
-            _faster[key] = timer(lambda w: skinny_linear(x, w, bias), weight) < \
-                timer(lambda w: torch.nn.functional.linear(x, w, bias), weight)
-        except torch.cuda.OutOfMemoryError:  # no room for the copies: the library's kernel
-            _faster[key] = False
+    key = (x.device, x.shape[0], weight.shape[0], weight.shape[1], x.dtype, bias is not None)
+    known = _faster.get(key)
+    if known is not None:
+        return known
+    if not _timing or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return False
+    if timer is None and not x.is_cuda:  # nothing to time on (the CPU interpreter)
+        return False
+    timer = timer or _graph_time
+    try:
+        _faster[key] = timer(lambda w: skinny_linear(x, w, bias), weight) < \
+            timer(lambda w: torch.nn.functional.linear(x, w, bias), weight)
+    except (torch.cuda.OutOfMemoryError, RuntimeError):  # no room for the copies, or a
+        _faster[key] = False  # capture that failed: the library's kernel
     return _faster[key]
 
 
@@ -102,7 +127,8 @@ def _graph_time(fn, weight: torch.Tensor, reps: int = 3) -> float:
     with torch.cuda.stream(stream):
         fn(weight)  # compiled, workspaces made
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
+        # thread_local: another thread's CUDA call (NCCL's watchdog) must not void the capture
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
             for w in copies:
                 fn(w)
         graph.replay()

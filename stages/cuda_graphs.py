@@ -60,13 +60,16 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if not capture:
             return
+        from kernels.skinny_gemm_triton import timing_window  # (Triton: CUDA only)
+
         pool = torch.cuda.graph_pool_handle()
         variants = (False, True) if greedy_head is not None else (False,)
         for b in reversed(self.sizes):  # largest first: the smaller ones reuse its pool
             for head in variants:
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):  # warm-up: kernels compiled, workspaces made
+                # warm-up: kernels compiled, workspaces made, the skinny GEMM timed per shape
+                with torch.cuda.stream(side), timing_window():
                     for _ in range(2):
                         self._work(b, head)
                 torch.cuda.current_stream().wait_stream(side)

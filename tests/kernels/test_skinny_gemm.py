@@ -92,6 +92,10 @@ def test_faster_at_times_each_shape_once_and_never_while_capturing(monkeypatch):
 
     w = torch.zeros(16, 32)
     timed_rows = [1]
+    # outside the warm-up's window: the library's kernel, nothing timed or kept
+    assert skinny.faster_at(torch.zeros(1, 32), w, None, timer) is False
+    assert timed == [] and skinny._faster == {}
+    monkeypatch.setattr(skinny, "_timing", True)  # inside timing_window()
     assert skinny.faster_at(torch.zeros(1, 32), w, None, timer) is True
     assert skinny.faster_at(torch.zeros(1, 32), w, None, timer) is True and len(timed) == 2
     timed_rows.append(2)
@@ -100,7 +104,26 @@ def test_faster_at_times_each_shape_once_and_never_while_capturing(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert skinny.faster_at(torch.zeros(4, 32), w, None, timer) is False and len(timed) == 4
-    assert (4, 16, 32, torch.float32, False) not in skinny._faster
+    assert not any(key[1] == 4 for key in skinny._faster)
+    # a timing that fails (a capture voided, no memory for the copies): the library's kernel
+
+    def failing(fn, weight):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert skinny.faster_at(torch.zeros(5, 32), w, None, failing) is False
+
+
+def test_timing_window_opens_and_closes(monkeypatch):
+    import kernels.skinny_gemm_triton as skinny
+
+    assert skinny._timing is False
+    with skinny.timing_window():
+        assert skinny._timing is True
+        with skinny.timing_window():
+            assert skinny._timing is True
+        assert skinny._timing is True
+    assert skinny._timing is False
 
 
 def test_the_timing_copies_overflow_the_l2_cache(monkeypatch):
@@ -126,5 +149,6 @@ def test_faster_at_without_a_device_takes_the_library_kernel(monkeypatch):
     import kernels.skinny_gemm_triton as skinny
 
     monkeypatch.setattr(skinny, "_faster", {})
-    assert skinny.faster_at(torch.zeros(2, 32), torch.zeros(16, 32), None) is False
+    with skinny.timing_window():
+        assert skinny.faster_at(torch.zeros(2, 32), torch.zeros(16, 32), None) is False
     assert skinny._faster == {}
