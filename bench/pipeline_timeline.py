@@ -15,12 +15,12 @@ and window_idle_fraction, per stage: 1 - its device's busy time over the window'
 fed_from_lag: how many steps back the step whose fed-back samples each of rank 0's steps
 waited for lies ({lag: steps}; with PP micro-batches, PP: the micro-batch's previous step).
 
-last_call: the whole of the trace's last generate call (from the plan that came the longest
-after the pipeline had emptied, the pause between calls), per stage, as fractions of its wall time (rank 0's first device
-start to the last stage's last device end): busy and idle in prefill steps and in decode
-steps (a step is a prefill step when at least half of its tokens are prompt tokens, from
-the plan's `tokens` and `reqs`; idle is the gap before a step, charged to that step), fill
-(before the stage's first step) and drain (after its last).
+last_call: the whole of the trace's last generate call (the steps planned after the
+engine's last "busy" mark, when it took up work after idling), per stage, as fractions of
+its wall time (rank 0's first device start to the last stage's last device end): busy and
+idle in prefill steps and in decode steps (a prefill step: at least half of its tokens are
+prompt tokens, from the plan's `tokens` and `prompt_tokens`; idle is the gap before a step,
+charged to that step), fill (before the stage's first step) and drain (after its last).
 
   python bench/pipeline_timeline.py TRACE.json [--json OUT]
 """
@@ -90,24 +90,15 @@ def timeline(events: list[dict]) -> dict:
 
 def last_call(events: list[dict], gpu: dict, pp: int) -> dict | None:
     """Busy and idle by the kind of step over the last generate call (see the module's doc);
-    None for a trace whose plans do not carry `tokens`."""
-    plans = sorted((e["ts"] / 1e3, e["args"]) for e in events
-                   if e.get("ph") == "X" and e.get("tid") == 0 and e.get("name") == "plan")
-    if len(plans) < 2 or "tokens" not in plans[0][1]:
+    None for a trace without the engine's "busy" marks or the plans' prompt token counts."""
+    marks = [e["ts"] / 1e3 for e in events if e.get("ph") == "i" and e.get("name") == "busy"]
+    plans = [(e["ts"] / 1e3, e["args"]) for e in events
+             if e.get("ph") == "X" and e.get("tid") == 0 and e.get("name") == "plan"]
+    if not marks or not plans or "prompt_tokens" not in plans[0][1]:
         return None
-    # The call starts at the plan that came the longest after the pipeline emptied (the last
-    # stage done with every earlier step): the pause between two calls.
-    ends = gpu[pp - 1]
-    emptied, first, longest = [], 0, 0.0  # emptied[s]: the last stage done with steps < s
-    for s in range(max(ends) + 2):
-        emptied.append(max(emptied[-1], ends[s - 1][1]) if s and s - 1 in ends and emptied[-1]
-                       is not None else (None if s else float("-inf")))
-    for t, a in plans:
-        step = a["step"]
-        if 0 < step < len(emptied) and emptied[step] is not None and t - emptied[step] > longest:
-            first, longest = step, t - emptied[step]
-    kind = {a["step"]: "prefill" if a["tokens"] >= 2 * max(1, a["reqs"]) else "decode"
-            for _, a in plans if a["step"] >= first}
+    start = max(marks)  # the engine went busy with the last call's requests
+    kind = {a["step"]: "prefill" if 2 * a["prompt_tokens"] >= max(1, a["tokens"]) else "decode"
+            for t, a in plans if t >= start}
     steps = sorted(s for s in kind if all(s in gpu[k] for k in range(pp)))
     if not steps:
         return None

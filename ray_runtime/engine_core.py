@@ -224,9 +224,20 @@ class EngineCore:
             self.plan_s += t1 - t0
             if self.metrics is not None:
                 self.metrics.on_plan(record.plan, self.scheduler.num_scheduled_tokens_total, t1)
-            self.trace.driver_span("plan", t0, t1, step=record.plan.step_id,
-                                   reqs=len(record.plan.scheduled_req_ids),
-                                   tokens=record.plan.total_num_scheduled_tokens)
+            if self.trace.record_events:
+                self.trace.driver_span("plan", t0, t1, step=record.plan.step_id,
+                                       reqs=len(record.plan.scheduled_req_ids),
+                                       tokens=record.plan.total_num_scheduled_tokens,
+                                       prompt_tokens=self._prompt_tokens(record.plan))
+
+    def _prompt_tokens(self, plan) -> int:
+        """How many of a just-made plan's tokens are prompt tokens (for the trace)."""
+        requests, total = self.scheduler.requests, 0
+        for req_id, n in zip(plan.scheduled_req_ids, plan.num_scheduled_tokens):
+            req = requests[req_id]
+            end = req.num_computed_tokens  # moved past this plan's tokens by planning it
+            total += max(0, min(req.num_prompt_tokens, end) - (end - n))
+        return total
 
     def _complete_oldest(self) -> list[str]:
         """Read, audit and commit the oldest step; the ids it sampled for."""

@@ -162,7 +162,7 @@ class EngineLoop:
                 inbox, self._inbox = self._inbox, []
             if not busy:
                 busy = True
-                core.trace.reset_window()
+                core.trace.reset_window(time.time())
                 core.last_progress = time.monotonic()  # idle time is not a stalled step
             out: list[RequestDelta] = []
             for item in inbox:

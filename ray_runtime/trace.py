@@ -79,9 +79,14 @@ class PipelineTrace:
             out.append(idle / total if total > 0 else 0.0)
         return out
 
-    def reset_window(self) -> None:
-        """Idle time between two generate() calls is the user's, not the pipeline's."""
+    def reset_window(self, t: Optional[float] = None) -> None:
+        """Idle time between two generate() calls is the user's, not the pipeline's. t: when
+        the engine went busy again; the trace marks it (an instant event "busy" on the
+        driver's track: where a call's steps begin, for bench/pipeline_timeline.py)."""
         self._last_end = [None] * self.pp_size
+        if t is not None and self.record_events:
+            self.events.append({"name": "busy", "ph": "i", "s": "t", "pid": 1,
+                                "tid": DRIVER_TID, "ts": t * 1e6})
 
     def to_json(self) -> dict:
         names = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": DRIVER_TID,

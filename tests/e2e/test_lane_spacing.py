@@ -32,5 +32,9 @@ def test_a_deep_queue_keeps_the_lanes_in_turn(ray_cluster, tiny_model, tmp_path)
     # split): every token of every request ran once, recomputed ones aside
     plans = [e["args"] for e in json.loads(path.read_text())["traceEvents"] if e.get("name") == "plan"]
     assert sum(a["tokens"] for a in plans) >= sum(len(p) + m - 1 for p, m in zip(prompts, budgets))
-    assert any(a["tokens"] == a["reqs"] for a in plans)  # decode steps
-    assert any(a["tokens"] >= 2 * a["reqs"] for a in plans)  # steps of mostly prompt tokens
+    assert sum(a["prompt_tokens"] for a in plans) >= sum(len(p) for p in prompts)
+    assert all(0 <= a["prompt_tokens"] <= a["tokens"] for a in plans)
+    assert any(a["tokens"] == a["reqs"] and a["prompt_tokens"] == 0 for a in plans)  # decode
+    assert any(2 * a["prompt_tokens"] >= a["tokens"] > a["reqs"] for a in plans)  # prefill
+    events = json.loads(path.read_text())["traceEvents"]
+    assert any(e.get("name") == "busy" and e.get("ph") == "i" for e in events)  # a call began

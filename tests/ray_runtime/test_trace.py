@@ -81,24 +81,26 @@ def test_pipeline_timeline_reads_hops_and_the_feedback_loop():
 
 
 def test_pipeline_timeline_splits_the_last_call_by_the_kind_of_step():
-    """last_call: a warm-up call, a pause (the pipeline empty), then two prefill steps (4 ms on stage 0, 2 on
-    stage 1) and two decode steps (1 ms on each); the stage 1 waits for stage 0 (fill 4 ms,
-    then 2 ms before the second prefill step), stage 0 drains 2 ms at the end. Wall 12 ms."""
+    """last_call: two earlier calls (the pause before the second is the longest), then the
+    last: two prefill steps (4 ms on stage 0, 2 on stage 1) and two decode steps (1 ms on
+    each; the second verifies drafts: all its tokens get logits, none is a prompt's). Stage
+    1 waits for stage 0 (fill 4 ms, then 2 ms before the second prefill step), stage 0 drains
+    2 ms at the end. Wall 12 ms."""
     from bench.pipeline_timeline import timeline
 
     tr = PipelineTrace(2, record_events=True)
     ms = 1e-3
-    # the warm-up's first step compiles for 200 ms: the longest wait between two plans is
-    # there, with the step still running (not the pause between calls)
-    warm = {0: {0: (-299, -100.5), **{s: (-100 + s, -99.5 + s) for s in range(1, 4)}},
-            1: {0: (-100.5, -100.2), **{s: (-99.5 + s, -99 + s) for s in range(1, 4)}}}
-    call = {0: {4: (0, 4), 5: (4, 8), 6: (8, 9), 7: (9, 10)},
-            1: {4: (4, 6), 5: (8, 10), 6: (10, 11), 7: (11, 12)}}
-    for s in range(8):
-        t = (-300 if s == 0 else -100 + s if s < 4 else -1 + 0.01 * s) * ms
-        prefill = s in (4, 5)
-        tr.driver_span("plan", t, t + 1e-5, step=s, reqs=2, tokens=100 if prefill else 2)
-    for spans in (warm, call):
+    earlier = {0: {0: (-300, -299), 1: (-100, -99)}, 1: {0: (-299, -298), 1: (-99, -98)}}
+    call = {0: {2: (0, 4), 3: (4, 8), 4: (8, 9), 5: (9, 10)},
+            1: {2: (4, 6), 3: (8, 10), 4: (10, 11), 5: (11, 12)}}
+    plan_at = {0: -300.5, 1: -100.5, 2: -0.9, 3: -0.8, 4: -0.7, 5: -0.6}
+    tokens = {0: (100, 100), 1: (100, 100), 2: (100, 98), 3: (100, 98), 4: (2, 0), 5: (6, 0)}
+    for s, t in plan_at.items():
+        if s in (0, 1, 2):  # the engine takes up each call's requests after idling
+            tr.reset_window((t - 0.05) * ms)
+        tr.driver_span("plan", t * ms, (t + 0.01) * ms, step=s, reqs=2, tokens=tokens[s][0],
+                       prompt_tokens=tokens[s][1])
+    for spans in (earlier, call):
         for rank in (0, 1):
             for s, (a, b) in spans[rank].items():
                 tr.stage_step(rank, s, StageTiming(a * ms - 2e-4, a * ms - 1e-4, a * ms,
@@ -111,6 +113,9 @@ def test_pipeline_timeline_splits_the_last_call_by_the_kind_of_step():
                              "decode_idle": 0.0, "fill": 0.0, "drain": r(2)}
     assert got["stage1"] == {"prefill_busy": r(4), "prefill_idle": r(2), "decode_busy": r(2),
                              "decode_idle": 0.0, "fill": r(4), "drain": 0.0}
+    # a trace without the marks (or the prompt counts) has no last_call
+    events = [e for e in tr.to_json()["traceEvents"] if e.get("name") != "busy"]
+    assert timeline(events)["last_call"] is None
 
 
 def test_pipeline_timeline_needs_device_spans():
