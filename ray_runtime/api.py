@@ -24,6 +24,18 @@ from ray_runtime.validation import as_params_list, as_prompt_list
 POLL_S = 1.0  # how long one poll of the engine's outputs may wait
 
 
+def first_chunk(specs: list, tokens: int) -> int:
+    """How many of a call's requests to add before the rest: the fewest whose prompts hold
+    `tokens` (two steps' budget for each lane), at least one. Adding 1,024 prompts of 256
+    tokens at once took ~50 ms on a 2-core machine, all of it idle pipeline."""
+    total = 0
+    for i, spec in enumerate(specs):
+        total += len(spec.prompt_token_ids)
+        if total >= tokens:
+            return i + 1
+    return len(specs)
+
+
 class LLM(EngineClient):
     """`LLM(model, pipeline_parallel_size=...)`, then `generate` or `chat`. One call runs at a
     time per LLM (calls from several threads queue)."""
@@ -41,14 +53,23 @@ class LLM(EngineClient):
             raise RuntimeError("LLM has been shut down")
         prompts = as_prompt_list(prompts)
         params = as_params_list(sampling_params, len(prompts))
-        prepared = [self._prepare(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        # One SamplingParams for many prompts (the usual call) is checked and copied once.
+        checked: set[int] = set()
+        prepared = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            prepared.append(self._prepare(i, p, sp, params_checked=id(sp) in checked))
+            checked.add(id(sp))
         if not prepared:
             return []
         processor = OutputProcessor(self.tokenizer)
         order, specs = [], []
+        finals: dict[int, SamplingParams] = {}
         for i, (text, token_ids, sp) in enumerate(prepared):
             rid = f"{i}-{uuid.uuid4().hex[:12]}"
-            final = msgspec.structs.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
+            final = finals.get(id(sp))
+            if final is None:
+                final = finals[id(sp)] = msgspec.structs.replace(
+                    sp, output_kind=RequestOutputKind.FINAL_ONLY)
             specs += self._register(processor, rid, text, token_ids, final)
             order.append(rid)
         with self._call_lock:
@@ -62,7 +83,13 @@ class LLM(EngineClient):
         done: dict[str, RequestOutput] = {}
         failed: dict[str, str] = {}
         try:
-            ray.get(driver.add_requests.remote(specs))
+            # The first steps' requests first, the rest once those are in: the driver plans
+            # while the rest are serialized and added, and adds them in order.
+            first = first_chunk(specs, 2 * self.config.pipeline_parallel_size
+                                * self.config.max_num_batched_tokens)
+            ray.get(driver.add_requests.remote(specs[:first]))
+            if first < len(specs):
+                ray.get(driver.add_requests.remote(specs[first:]))
             while len(done) + len(failed) < len(order):
                 outs, aborts = processor.process(self._poll(POLL_S))
                 if aborts:

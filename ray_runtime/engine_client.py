@@ -82,9 +82,10 @@ class EngineClient:
         return self.tokenizer(text).input_ids
 
 
-    def _prepare(self, index: int, prompt, sp: SamplingParams
+    def _prepare(self, index: int, prompt, sp: SamplingParams, params_checked: bool = False
                  ) -> tuple[Optional[str], list[int], SamplingParams]:
-        """One request checked and converted in the caller: (text, token ids, params)."""
+        """One request checked and converted in the caller: (text, token ids, params).
+        params_checked: sp was checked for an earlier request of the same call."""
         text, token_ids = parse_prompt(index, prompt)
         if sp.stop and (self.tokenizer is None or not sp.detokenize):
             raise ValueError(f"prompts[{index}]: SamplingParams.stop matches text, which needs "
@@ -97,7 +98,8 @@ class EngineClient:
                                      max_model_len=self.info["max_model_len"],
                                      num_kv_blocks=self.info["num_kv_blocks"],
                                      block_size=self.info["block_size"],
-                                     num_lookahead=self.config.num_speculative_tokens)
+                                     num_lookahead=self.config.num_speculative_tokens,
+                                     check_params=not params_checked)
         return text, token_ids, sp
 
     def _register(self, processor: OutputProcessor, request_id: str, text: Optional[str],

@@ -71,13 +71,15 @@ def as_params_list(sampling_params, num_prompts: int) -> list:
 
 def validate_request(index: int, token_ids: Sequence[int], sp: SamplingParams, *,
                      vocab_size: int, max_model_len: int, num_kv_blocks: int, block_size: int,
-                     num_lookahead: int = 0) -> list[int]:
+                     num_lookahead: int = 0, check_params: bool = True) -> list[int]:
     """Check request `index` against the engine's limits; returns its prompt token ids as a
-    list of plain ints (the sampling params are converted in place)."""
+    list of plain ints (the sampling params are converted in place; check_params=False: the
+    same object was checked for an earlier request of this call)."""
     where = f"prompts[{index}]"
     if not isinstance(sp, SamplingParams):
         raise InputTypeError(f"sampling_params[{index}] must be a SamplingParams, got {show(sp)}")
-    sp.validate()  # fields may have been changed after construction
+    if check_params:
+        sp.validate()  # fields may have been changed after construction
     vocab = f"the vocabulary [0, {vocab_size})"
     token_ids = as_int_list(token_ids, f"{where}: prompt_token_ids", 0, vocab_size - 1, vocab)
     if len(token_ids) == 0:

@@ -181,3 +181,39 @@ def test_results_in_input_order_with_one_params_per_prompt(llm):
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate(prompts, params[:2])
 
+
+
+def test_the_first_steps_requests_go_first_and_the_rest_in_order(llm, monkeypatch):
+    """generate() adds the requests of the first steps, then the rest once those are in
+    (api.first_chunk): the outputs equal those of one add, in input order, and a bad prompt
+    anywhere still stops the whole call before anything runs."""
+    import ray_runtime.api as api
+    from ray_runtime.messages import RequestSpec
+
+    specs = [RequestSpec(req_id=str(i), prompt_token_ids=[5] * n, sampling=SamplingParams())
+             for i, n in enumerate((3, 4, 5, 6))]
+    assert [api.first_chunk(specs, t) for t in (1, 3, 4, 7, 8, 18, 19, 100)] == \
+        [1, 1, 2, 2, 3, 4, 4, 4]
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7 + 2 * i] * (1 + i % 3)} for i in range(7)]
+    params = [SamplingParams(max_tokens=2 + i % 4, temperature=0, ignore_eos=True) for i in range(7)]
+    whole = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    monkeypatch.setattr(api, "first_chunk", lambda specs, tokens: 2)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == whole
+    before = llm.stats()["num_steps"]
+    with pytest.raises(ValueError, match=r"prompts\[6\]"):
+        llm.generate(prompts[:6] + [{"prompt_token_ids": [VOCAB]}], params)
+    assert llm.stats()["num_steps"] == before, "nothing may run when a request is rejected"
+
+
+def test_one_params_object_for_many_prompts_is_checked_once_and_still_checked(llm):
+    """A SamplingParams shared by every prompt of a call is checked at its first prompt (the
+    error names that index); the copies sent are equal and the outputs as with one each."""
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7]} for i in range(5)]
+    shared = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    own = [o.outputs[0].token_ids for o in llm.generate(
+        prompts, [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True) for _ in prompts])]
+    assert shared == own and all(len(t) == 3 for t in shared)
+    sp.max_tokens = 0  # changed after construction: the call checks it again
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate(prompts, sp)
