@@ -258,6 +258,10 @@ def main() -> None:
                 print(rows[-1], flush=True)
         if args.trace_dir:  # written as the engine shut down: where the last call's time went
             timelines[name] = trace_timeline(os.path.join(args.trace_dir, f"trace_{name}.json"))
+            call = (timelines[name] or {}).get("last_call")
+            if call:  # the call's wall time outside the devices' window (rank 0's first
+                # start to the last stage's last end): adding requests, the last outputs
+                rows[-1]["outside_devices_s"] = round(rows[-1]["elapsed_s"] - call["wall_ms"] / 1e3, 3)
     result = {"model": {"shape": "Llama-3-8B", **SHAPE, "num_hidden_layers": args.layers, "dtype": "bfloat16", "weights": "random"},
               "workload": {"requests": args.requests, "matched": args.matched,
                            "max_num_seqs": args.max_num_seqs, "input_len": args.input_len,
