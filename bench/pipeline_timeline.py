@@ -146,14 +146,19 @@ def idle(spans: dict, window: range) -> float | None:
     return round(1 - sum(t1 - t0 for t0, t1 in inside) / wall, 3)
 
 
+def load_events(path: str) -> list[dict]:
+    """A pipeline trace's events (a .json or .json.gz file)."""
+    opener = __import__("gzip").open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("trace")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    opener = __import__("gzip").open if args.trace.endswith(".gz") else open
-    with opener(args.trace, "rt") as f:
-        out = {"trace": os.path.basename(args.trace), **timeline(json.load(f)["traceEvents"])}
+    out = {"trace": os.path.basename(args.trace), **timeline(load_events(args.trace))}
     print(json.dumps(out, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -122,12 +122,10 @@ def trace_timeline(path: str) -> Optional[dict]:
     """bench/pipeline_timeline.py's figures for a run's trace (its `last_call`: the run's last
     generate call, the longest output length), or None without device spans (the phase
     clock off)."""
-    from bench.pipeline_timeline import timeline
+    from bench.pipeline_timeline import load_events, timeline
 
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
     try:
-        return timeline(events)
+        return timeline(load_events(path))
     except ValueError:
         return None
 

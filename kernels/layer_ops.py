@@ -36,8 +36,15 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return x * cos + rotate_half(x) * sin
 
 
+def fused_kernels(device: str, dtype: torch.dtype) -> bool:
+    """Whether the fused kernels run (half precision on CUDA): fused projections, rope
+    tables, the Triton layer ops. Float32, the exactness mode, keeps transformers' ops one
+    by one."""
+    return device == "cuda" and dtype != torch.float32
+
+
 def _fused(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype != torch.float32
+    return fused_kernels(x.device.type, x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

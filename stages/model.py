@@ -17,8 +17,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kernels.layer_ops import (RopeCosSin, add_rms_norm, attention_inputs, linear, rms_norm,
-                               silu_and_mul)
+from kernels.layer_ops import (RopeCosSin, add_rms_norm, attention_inputs, fused_kernels, linear,
+                               rms_norm, silu_and_mul)
 from kernels.paged_attention import (DecodeLayout, decode_layout_arrays, paged_attention,
                                      prefill_tile_arrays)
 from ray_runtime.layer_span import LayerSpan
@@ -342,12 +342,6 @@ class StageModel(nn.Module):
         self.rotary = Rotary(self.spec)  # built for real: the module skeleton was on "meta"
         self.to(device=device)
         self.eval()
-
-
-def fused_kernels(device: str, dtype: torch.dtype) -> bool:
-    """Whether a stage runs the fused kernels (half precision on CUDA): fused projections,
-    rope tables. Float32, the exactness mode, keeps transformers' ops one by one."""
-    return device == "cuda" and dtype != torch.float32
 
 
 def build_stage(spec: ModelSpec, span: LayerSpan, is_first: bool, is_last: bool,
