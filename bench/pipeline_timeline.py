@@ -20,7 +20,9 @@ engine's last "busy" mark, when it took up work after idling), per stage, as fra
 its wall time (rank 0's first device start to the last stage's last device end): busy and
 idle in prefill steps and in decode steps (a prefill step: at least half of its tokens are
 prompt tokens, from the plan's `tokens` and `prompt_tokens`; idle is the gap before a step,
-charged to that step), fill (before the stage's first step) and drain (after its last).
+charged to that step), fill (before the stage's first step) and drain (after its last);
+lead_ms: from the busy mark to the first plan, and from it to rank 0's first device start;
+window_epoch_ms: the window's ends (epoch ms), for a caller that timed the call itself.
 
   python bench/pipeline_timeline.py TRACE.json [--json OUT]
 """
@@ -104,8 +106,13 @@ def last_call(events: list[dict], gpu: dict, pp: int) -> dict | None:
         return None
     t_start, t_end = gpu[0][steps[0]][0], gpu[pp - 1][steps[-1]][1]
     wall = t_end - t_start
+    first_plan = min(t for t, a in plans if t >= start)
     out: dict = {"steps": len(steps), "wall_ms": round(wall, 1),
-                 "prefill_steps": sum(kind[s] == "prefill" for s in steps)}
+                 "prefill_steps": sum(kind[s] == "prefill" for s in steps),
+                 "window_epoch_ms": [round(t_start, 2), round(t_end, 2)],
+                 # before the window: the busy mark to the first plan, that plan to rank 0's device
+                 "lead_ms": {"busy_to_plan": round(first_plan - start, 2),
+                             "plan_to_device": round(t_start - first_plan, 2)}}
     for k in range(pp):
         acc = collections.Counter()
         prev_end = None

@@ -228,9 +228,10 @@ def main() -> None:
             for out_len, num in [(L, n) for L in args.output_len for n in shares]:
                 sp = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
                 b = llm.stats()
-                t0 = time.perf_counter()
+                t0, epoch0 = time.perf_counter(), time.time()
                 llm.generate(reqs[:num], sp)
                 el = time.perf_counter() - t0
+                epochs = (epoch0, epoch0 + el)
                 st = llm.stats()
                 gpu_busy = [a - z for a, z in zip(st["stage_gpu_busy_s"], b["stage_gpu_busy_s"])]
                 rows.append({
@@ -260,6 +261,9 @@ def main() -> None:
             if call:  # the call's wall time outside the devices' window (rank 0's first
                 # start to the last stage's last end): adding requests, the last outputs
                 rows[-1]["outside_devices_s"] = round(rows[-1]["elapsed_s"] - call["wall_ms"] / 1e3, 3)
+                w0, w1 = call["window_epoch_ms"]  # split: before the first step, after the last
+                rows[-1]["before_devices_s"] = round(w0 / 1e3 - epochs[0], 3)
+                rows[-1]["after_devices_s"] = round(epochs[1] - w1 / 1e3, 3)
     result = {"model": {"shape": "Llama-3-8B", **SHAPE, "num_hidden_layers": args.layers, "dtype": "bfloat16", "weights": "random"},
               "workload": {"requests": args.requests, "matched": args.matched,
                            "max_num_seqs": args.max_num_seqs, "input_len": args.input_len,

@@ -108,6 +108,8 @@ def test_pipeline_timeline_splits_the_last_call_by_the_kind_of_step():
                                                    gpu_spans=[(s, a * ms, b * ms)]))
     got = timeline(tr.to_json()["traceEvents"])["last_call"]
     assert got["steps"] == 4 and got["prefill_steps"] == 2 and got["wall_ms"] == 12.0
+    assert got["lead_ms"] == {"busy_to_plan": 0.05, "plan_to_device": 0.9}
+    assert got["window_epoch_ms"] == [0.0, 12.0]
     r = lambda x: round(x / 12, 3)  # noqa: E731
     assert got["stage0"] == {"prefill_busy": r(8), "prefill_idle": 0.0, "decode_busy": r(2),
                              "decode_idle": 0.0, "fill": 0.0, "drain": r(2)}
