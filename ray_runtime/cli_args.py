@@ -14,6 +14,10 @@ HELP = {
     "pp_layer_partition": 'decoder layers per stage, halves allowed, e.g. "3,2,2" or "16.5,15.5"; '
                           '"even" (the same number of layers on every stage) or "balanced" (the '
                           'default: the last stage\'s LM head counted as one layer)',
+    "pp_prefill_partition": 'a prefill-shaped step\'s layers per stage: "auto" (the default: an '
+                            'MLP block at a boundary moves where that evens the stages\' prefill '
+                            'work), "same" (the decode split\'s) or numbers that keep each stage\'s '
+                            'attention layers',
     "device": "where the stages run",
     "dtype": "weights and activations",
     "block_size": "tokens per KV block",
@@ -57,7 +61,7 @@ def _json(value: str):
 def _type_of(field: dataclasses.Field):
     if field.name == "speculative_config":
         return _json
-    if field.name == "pp_layer_partition":
+    if field.name in ("pp_layer_partition", "pp_prefill_partition"):
         return str  # parsed by EngineConfig.from_kwargs
     t = str(field.type)
     return int if "int" in t else float if "float" in t else str

@@ -12,7 +12,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_runtime.config import EngineConfig
-from ray_runtime.layer_span import LayerSpan
+from ray_runtime.layer_span import StageBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -22,10 +22,10 @@ def driver_actor_name(engine_id: str) -> str:
     return f"ray_pp-{engine_id}-driver"
 
 
-def stage_actor_name(engine_id: str, rank: int, pp_size: int, span: LayerSpan) -> str:
+def stage_actor_name(engine_id: str, rank: int, pp_size: int, blocks: StageBlocks) -> str:
     """A stage actor's name: engine, rank of how many, and its decoder layers (inclusive;
-    LayerSpan.label)."""
-    return f"ray_pp-{engine_id}-stage{rank}of{pp_size}-layers{span.label()}"
+    LayerSpan.label of the decode split's: the partition as given)."""
+    return f"ray_pp-{engine_id}-stage{rank}of{pp_size}-layers{blocks.decode.label()}"
 
 
 # A private local cluster's logical CPUs: room for several engines, or a later one of a larger
@@ -195,7 +195,7 @@ def create_placement_group(config: EngineConfig):
     return pg
 
 
-def start_stages(config: EngineConfig, pg, spans: list[LayerSpan],
+def start_stages(config: EngineConfig, pg, spans: list[StageBlocks],
                  max_model_len: int, engine_id: str = "") -> tuple[list, list[dict]]:
     """The stage actors in rank order, and where each runs (rank, layers, node id and
     address, pid, GPU ids)."""
@@ -210,8 +210,9 @@ def start_stages(config: EngineConfig, pg, spans: list[LayerSpan],
                         placement_group=pg, placement_group_bundle_index=rank))
         if engine_id:
             opts["name"] = stage_actor_name(engine_id, rank, len(spans), span)
-        stages.append(remote_cls.options(**opts).remote(config, rank, span, max_model_len,
-                                                        engine_id=engine_id))
+        stages.append(remote_cls.options(**opts).remote(config, rank, span.decode, max_model_len,
+                                                        engine_id=engine_id,
+                                                        prefill_span=span.prefill))
     infos = []
     for rank, stage in enumerate(stages):
         try:

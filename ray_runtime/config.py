@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from ray_runtime.layer_span import parse_partition
+from ray_runtime.layer_span import parse_partition, parse_prefill_partition
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -74,6 +74,9 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     # layers per stage, halves allowed, or "even"; None: "balanced" (ray_runtime/layer_span.py)
     pp_layer_partition: Optional[tuple[float, ...] | str] = None
+    # a prefill-shaped step's split: None ("auto": an MLP block at a boundary moves where
+    # that evens the stages' prefill work), "same" (decode's), or layers per stage
+    pp_prefill_partition: Optional[tuple[float, ...] | str] = None
     device: str = "cpu"
     dtype: str = "float32"
     block_size: int = 16
@@ -139,6 +142,8 @@ class EngineConfig:
             kwargs["trace_file"] = os.path.abspath(kwargs["trace_file"])
         if "pp_layer_partition" in kwargs:
             kwargs["pp_layer_partition"] = parse_partition(kwargs["pp_layer_partition"])
+        if "pp_prefill_partition" in kwargs:
+            kwargs["pp_prefill_partition"] = parse_prefill_partition(kwargs["pp_prefill_partition"])
         return cls(model=model, **kwargs)
 
     @property

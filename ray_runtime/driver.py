@@ -16,7 +16,7 @@ from ray.util.placement_group import remove_placement_group
 
 from ray_runtime.cluster import create_placement_group, open_channels, start_stages
 from ray_runtime.config import EngineConfig
-from ray_runtime.layer_span import stage_spans
+from ray_runtime.layer_span import stage_blocks
 from ray_runtime.engine_core import EngineCore
 from ray_runtime.engine_loop import EngineLoop
 from ray_runtime.gc_pauses import GcPauses, settle_heap
@@ -46,8 +46,9 @@ class Driver:
         self.engine_id = engine_id or uuid.uuid4().hex[:8]
         self.spec = ModelSpec.from_dir(config.model)
         self.max_model_len = resolve_max_model_len(config, self.spec)
-        self.spans = stage_spans(self.spec.num_layers, config.pipeline_parallel_size,
-                                 config.pp_layer_partition)
+        self.blocks = stage_blocks(self.spec.num_layers, config.pipeline_parallel_size,
+                                   config.pp_layer_partition, config.pp_prefill_partition,
+                                   self.spec.attention_share)
         self.num_kv_blocks: Optional[int] = None
         ranks = self._start_ranks()
         self.core = EngineCore(config, ranks, num_kv_blocks=self.num_kv_blocks,
@@ -75,7 +76,7 @@ class Driver:
         config = self.config
         self.pg = create_placement_group(config)
         self.stages, self.stage_placement = start_stages(
-            config, self.pg, self.spans, self.max_model_len, engine_id=self.engine_id)
+            config, self.pg, self.blocks, self.max_model_len, engine_id=self.engine_id)
         if self.num_kv_blocks is None:
             self.num_kv_blocks = self._size_kv_pool()
         ray.get([s.init_kv_cache.remote(self.num_kv_blocks) for s in self.stages])

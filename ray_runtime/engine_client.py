@@ -12,7 +12,7 @@ import ray
 
 from ray_runtime.cluster import connect_ray, driver_actor_name
 from ray_runtime.config import EngineConfig
-from ray_runtime.layer_span import stage_spans
+from ray_runtime.layer_span import stage_blocks
 from ray_runtime.driver import DRIVER_MAX_CONCURRENCY, Driver, resolve_max_model_len
 from ray_runtime.messages import RequestSpec
 from ray_runtime.output_processor import OutputProcessor, child_ids, child_params
@@ -42,8 +42,9 @@ class EngineClient:
         self.config = EngineConfig.from_kwargs(model, **engine_args)
         # Every check that can fail on the config fails here, before any actor starts.
         spec = ModelSpec.from_dir(model)
-        stage_spans(spec.num_layers, self.config.pipeline_parallel_size,
-                    self.config.pp_layer_partition)
+        stage_blocks(spec.num_layers, self.config.pipeline_parallel_size,
+                     self.config.pp_layer_partition, self.config.pp_prefill_partition,
+                     spec.attention_share)
         resolve_max_model_len(self.config, spec)
         sc = self.config.speculative_config
         if sc is not None and sc.method == "draft_model":

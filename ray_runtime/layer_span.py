@@ -9,9 +9,21 @@ its KV cache), and the last rank layer 16's MLP onward.
 The last rank also carries the final norm, the LM head and the sampler. The default split
 ("balanced") counts them as HEAD_LAYERS decoder layers and gives every stage the same share of
 the whole, in halves; "even" gives every stage the same number of layers (vLLM's default).
+
+That split is decode's: the head runs on every row of a decode step, but on only the last
+token of each prompt in a prefill step, where it costs next to nothing and the last stage,
+holding fewer layers, idles. An MLP block holds no KV cache, so a boundary may move by one
+MLP block for a prefill-shaped step (StepPlan.prefill_shaped: fewer than half of its tokens
+get logits) while every attention block stays where its cache is: both neighbours hold that
+block's weights and the step's kind says which runs it. The prefill split ("auto", the
+default) is the one whose costliest stage costs least, an attention block counted as its
+share of a layer's weights (ModelSpec.attention_share) and the head as nothing; "same" keeps
+decode's. Llama-3-8B at PP=4: decode 8,8.5,8.5,7; prefill 8,8.5,8,7.5 (layer 24's MLP moves
+to the last stage), its costliest stage 8.19 layers of work against 8.81.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple, Optional, Union
 
@@ -20,6 +32,7 @@ from typing import NamedTuple, Optional, Union
 # idle 0.06-0.07, where 16/16 idles rank 0 0.12 and 17/15 the last rank 0.10.
 HEAD_LAYERS = 1
 NAMED = ("balanced", "even")
+PREFILL_NAMED = ("auto", "same")
 Partition = Union[str, tuple]
 
 
@@ -138,3 +151,87 @@ def stage_spans(num_layers: int, pp_size: int, partition: Optional[Partition]) -
         spans.append(LayerSpan(start, start + int(2 * n)))
         start += int(2 * n)
     return spans
+
+
+class StageBlocks(NamedTuple):
+    """What one stage runs: a decode-shaped step's blocks and a prefill-shaped step's (the
+    same attention blocks; an MLP block at either end may differ)."""
+    decode: LayerSpan
+    prefill: LayerSpan
+
+    @property
+    def held(self) -> LayerSpan:
+        """Every block whose weights the stage loads."""
+        return LayerSpan(min(self.decode.start, self.prefill.start),
+                         max(self.decode.end, self.prefill.end))
+
+    def label(self) -> str:
+        """decode's label, and prefill's where it differs: '16m-24', '16m-24 (prefill 16m-24a)'."""
+        d = self.decode.label()
+        return d if self.prefill == self.decode else f"{d} (prefill {self.prefill.label()})"
+
+    def check(self) -> None:
+        if self.decode.attention_layers != self.prefill.attention_layers:
+            raise ValueError(f"a stage's prefill blocks {self.prefill.label()} must hold the same "
+                             f"attention layers as its decode blocks {self.decode.label()} "
+                             "(their KV cache is there): only an MLP block at a boundary may move")
+
+
+def parse_prefill_partition(value) -> Optional[Partition]:
+    """None or 'auto' -> None (the cheapest split); 'same'; or layers per stage."""
+    if isinstance(value, str) and value.strip().lower() in PREFILL_NAMED:
+        value = value.strip().lower()
+        return None if value == "auto" else value
+    if isinstance(value, str) and value.strip().lower() in NAMED:
+        raise ValueError(f"pp_prefill_partition must be 'auto', 'same' or comma-separated numbers "
+                         f"of layers, got {value!r}")
+    return parse_partition(value)
+
+
+def block_cost(block: int, attention_share: float) -> float:
+    """A block's share of a layer's prefill work: its share of the layer's weights."""
+    return attention_share if block % 2 == 0 else 1.0 - attention_share
+
+
+def cheapest_prefill_spans(decode: list[LayerSpan], attention_share: float) -> list[LayerSpan]:
+    """The prefill split from decode's: at each boundary between stages, the MLP block next to
+    it stays or crosses (a whole-layer boundary hands the earlier stage's last MLP on; one
+    after an attention block takes the next stage's first MLP back), whichever gives the
+    costliest stage the least prefill work (fewest moves on a tie)."""
+    bounds = [s.end for s in decode[:-1]]
+    options = [(b, b - 1 if b % 2 == 0 else b + 1) for b in bounds]
+    first, last = decode[0].start, decode[-1].end
+    best = None
+    for choice in itertools.product(*options):
+        edges = [first, *choice, last]
+        spans = [LayerSpan(a, b) for a, b in zip(edges, edges[1:])]
+        cost = max(sum(block_cost(x, attention_share) for x in range(s.start, s.end)) for s in spans)
+        key = (round(cost, 9), sum(c != b for c, b in zip(choice, bounds)))
+        if best is None or key < best[0]:
+            best = (key, spans)
+    return best[1]
+
+
+def stage_blocks(num_layers: int, pp_size: int, partition: Optional[Partition],
+                 prefill_partition: Optional[Partition], attention_share: float) -> list[StageBlocks]:
+    """Each stage's decode blocks (`stage_spans` of partition) and prefill blocks: the
+    cheapest (prefill_partition None or 'auto'), decode's ('same'), or layers per stage that
+    keep every stage's attention layers (a ValueError naming the stage otherwise)."""
+    decode = stage_spans(num_layers, pp_size, partition)
+    prefill_partition = parse_prefill_partition(prefill_partition)
+    if prefill_partition == "same" or pp_size == 1:
+        prefill = decode
+    elif prefill_partition is None:
+        prefill = cheapest_prefill_spans(decode, attention_share)
+    else:
+        try:
+            prefill = stage_spans(num_layers, pp_size, prefill_partition)
+        except ValueError as e:
+            raise ValueError(f"pp_prefill_partition: {e}") from None
+    out = [StageBlocks(d, p) for d, p in zip(decode, prefill)]
+    for rank, b in enumerate(out):
+        try:
+            b.check()
+        except ValueError as e:
+            raise ValueError(f"pp_prefill_partition, stage {rank}: {e}") from None
+    return out

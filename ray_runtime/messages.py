@@ -40,6 +40,9 @@ class StepPlan(msgspec.Struct, array_like=True, gc=False):
     # the cached requests in their order, then the new ones in theirs (`check`).
     scheduled_req_ids: list[str]
     num_scheduled_tokens: list[int]
+    # fewer than half of its tokens get logits (a prompt's chunks, not decode rows or drafts):
+    # every rank runs the prefill split's blocks (ray_runtime/layer_span.py)
+    prefill_shaped: bool = False
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -172,6 +172,7 @@ class Scheduler:
         sampling: set[str] = set()
         sampling_add = sampling.add
         num_placeholder_tokens = 0
+        num_logit_tokens = 0  # the tokens that get logits: each sampling row's last known on
         self_drafted_reqs: list[Request] = []
         preempted = False
 
@@ -258,6 +259,8 @@ class Scheduler:
                 self_drafted_reqs.append(req)
             if computed >= num_tokens:
                 num_placeholder_tokens += num_new
+            if computed + num_new >= num_tokens:
+                num_logit_tokens += computed + num_new - max(computed, num_tokens - 1)
             computed += num_new
             req.num_computed_tokens = computed
             req.num_inflight_steps += 1
@@ -305,6 +308,7 @@ class Scheduler:
             if num_new >= num_tokens:
                 sampling_add(req.req_id)
                 req.num_pending_samples += 1
+                num_logit_tokens += 1
             reqs.append(req)
             nums.append(num_new)
             budget -= num_new
@@ -319,9 +323,11 @@ class Scheduler:
             req.self_drafted_record = record
         self.num_placeholder_tokens += num_placeholder_tokens
         self.num_steps += 1
-        self.num_scheduled_tokens_total += self.max_num_batched_tokens - budget
+        num_scheduled = self.max_num_batched_tokens - budget
+        self.num_scheduled_tokens_total += num_scheduled
         removed, self._removed_since_last_plan = self._removed_since_last_plan, []
-        record.plan = StepPlan(step_id, removed, new_reqs, cached, list(expected), nums)
+        record.plan = StepPlan(step_id, removed, new_reqs, cached, list(expected), nums,
+                               prefill_shaped=2 * num_logit_tokens < num_scheduled)
         return record
 
     def _unplan(self, reqs: list[Request], nums: list[int], sampling: set[str]) -> None:

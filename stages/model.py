@@ -21,7 +21,7 @@ from kernels.layer_ops import (RopeCosSin, add_rms_norm, attention_inputs, fused
                                rms_norm, silu_and_mul)
 from kernels.paged_attention import (DecodeLayout, decode_layout_arrays, paged_attention,
                                      prefill_tile_arrays)
-from ray_runtime.layer_span import LayerSpan
+from ray_runtime.layer_span import LayerSpan, StageBlocks
 from stages.model_spec import ModelSpec
 
 
@@ -238,17 +238,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if mlp else None
         self.mlp = MLP(spec) if mlp else None
 
-    def forward(self, x, residual, rope, meta, kv) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x, residual, rope, meta, kv, mlp: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (the last block's output, the residual stream before it): the caller (or
         the next block's fused norm) adds them, as transformers' `residual + hidden_states`
-        does. residual None: x is the whole residual stream (a stage's first block)."""
+        does. residual None: x is the whole residual stream (a stage's first block).
+        mlp=False: the attention block alone (a held MLP block that this step's split runs on
+        the next stage)."""
         if self.self_attn is not None:
             if residual is None:
                 residual, h = x, self.input_layernorm(x)
             else:
                 h, residual = self.input_layernorm.add(x, residual)
             x = self.self_attn(h, rope, meta, kv)
-        if self.mlp is None:
+        if self.mlp is None or not mlp:
             return x, residual
         if residual is None:
             residual, h = x, self.post_attention_layernorm(x)
@@ -258,16 +260,26 @@ class DecoderLayer(nn.Module):
 
 
 class StageModel(nn.Module):
-    def __init__(self, spec: ModelSpec, span: LayerSpan, is_first: bool, is_last: bool) -> None:
+    def __init__(self, spec: ModelSpec, span: LayerSpan, is_first: bool, is_last: bool,
+                 prefill_span: Optional[LayerSpan] = None) -> None:
+        """span: the blocks a step runs here; prefill_span: a prefill-shaped step's, if they
+        differ (the same attention blocks; ray_runtime/layer_span.py). The stage holds both."""
         super().__init__()
         if not isinstance(span, LayerSpan):  # a plain (first, end) would be read as halves
             raise TypeError(f"a stage's layers are a LayerSpan, got {span!r}")
-        self.spec, self.span = spec, span
+        blocks = StageBlocks(span, prefill_span or span)
+        blocks.check()
+        self.spec, self.span, self.prefill_span = spec, span, blocks.prefill
+        self.held = held = blocks.held
         self.is_first, self.is_last = is_first, is_last
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size) if is_first else None
-        self.layers = nn.ModuleList(DecoderLayer(spec, span.has_attention(i), span.has_mlp(i))
-                                    for i in span.layers)
-        self.num_attention_layers = len(span.attention_layers)
+        self.layers = nn.ModuleList(DecoderLayer(spec, held.has_attention(i), held.has_mlp(i))
+                                    for i in held.layers)
+        # per held layer, for each kind of step: (runs it at all, runs its MLP block)
+        self._runs = {kind: [(s.has_attention(i) or s.has_mlp(i), s.has_mlp(i)) for i in held.layers]
+                      for kind, s in ((False, span), (True, blocks.prefill))}
+        self.num_attention_layers = len(held.attention_layers)
+        self.num_prefill_split_runs = 0  # forwards on prefill_span's blocks
         self.rotary = Rotary(spec)
         # set by build_stage where the layers' kernels are fused: cos/sin for every position
         self.rope_tables: Optional[RopeCosSin] = None
@@ -275,9 +287,11 @@ class StageModel(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if is_last else None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                prefill_shaped: bool = False) -> torch.Tensor:
         """x: token ids [num_tokens] on the first stage, else hidden states [num_tokens, hidden].
-        kv_caches: one per layer whose attention is here (LayerSpan.attention_layers)."""
+        kv_caches: one per layer whose attention is here (LayerSpan.attention_layers).
+        prefill_shaped: run prefill_span's blocks (StepPlan.prefill_shaped), else span's."""
         if self.is_first:
             x = self.embed_tokens(x)
         tables = self.rope_tables
@@ -288,9 +302,11 @@ class StageModel(nn.Module):
             raise ValueError(f"stage {self.span.label()}: {len(kv_caches)} KV caches for "
                              f"{self.num_attention_layers} attention layers")
         caches = iter(kv_caches)
-        for layer in self.layers:
+        self.num_prefill_split_runs += prefill_shaped
+        for layer, (runs, mlp) in zip(self.layers, self._runs[prefill_shaped]):
             kv = next(caches) if layer.self_attn is not None else None
-            x, residual = layer(x, residual, rope, meta, kv)
+            if runs:
+                x, residual = layer(x, residual, rope, meta, kv, mlp)
         return x if residual is None else residual + x
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
@@ -303,7 +319,7 @@ class StageModel(nn.Module):
     # ---- loading -------------------------------------------------------------------------
     def checkpoint_names(self) -> dict[str, str]:
         """Our parameter name -> the checkpoint's tensor name, for this stage only."""
-        start = self.span.layers.start
+        start = self.held.layers.start
         names = {}
         for ours in self.state_dict():
             if ours.startswith("rotary."):
@@ -345,14 +361,15 @@ class StageModel(nn.Module):
 
 
 def build_stage(spec: ModelSpec, span: LayerSpan, is_first: bool, is_last: bool,
-                dtype: torch.dtype, device: str, max_positions: Optional[int] = None) -> StageModel:
+                dtype: torch.dtype, device: str, max_positions: Optional[int] = None,
+                prefill_span: Optional[LayerSpan] = None) -> StageModel:
     """Allocate nothing for the skeleton (meta device), then take the checkpoint's tensors.
     max_positions: the most positions a step of this engine runs at (its max_model_len), the
     rows of the rope tables the fused kernel indexes without a bound check; default the
     checkpoint's max_position_embeddings. A draft model must be given the target's: its
     positions follow the target's requests, not its own checkpoint's context."""
     with torch.device("meta"):
-        model = StageModel(spec, span, is_first, is_last)
+        model = StageModel(spec, span, is_first, is_last, prefill_span)
     model.load_checkpoint(dtype, device)
     if fused_kernels(device, dtype):
         model.rope_tables = model.rotary.tables(max_positions or spec.max_position_embeddings,

@@ -62,6 +62,15 @@ class ModelSpec:
             qk_norm=family == "qwen3", max_position_embeddings=max_pos,
             eos_token_ids=_eos_ids(model_dir, cfg))
 
+    @property
+    def attention_share(self) -> float:
+        """An attention block's share of a decoder layer's weights (q, k, v and o against
+        gate, up and down): what it costs of the layer in a prefill step, where the work
+        goes as the weights' (ray_runtime/layer_span.py)."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention = h * (q + 2 * kv) + q * h
+        return attention / (attention + 3 * h * self.intermediate_size)
+
 
 def _eos_ids(model_dir: str, cfg: dict) -> tuple[int, ...]:
     ids: set[int] = set()

@@ -27,6 +27,7 @@ class PlanView:
     num_drafts: np.ndarray  # [n] drafts among the tokens each runs
     digest_len: np.ndarray  # [n] prefix the digest hashes: the driver's count, or the rank's
     # own landed count for a self-drafted request (its pending samples have no value yet)
+    prefill_shaped: bool = False  # the plan's: the step runs the prefill split's blocks
 
 
 def planned_spans(plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
@@ -66,4 +67,4 @@ def plan_view(plan: StepPlan, batch) -> PlanView:
             known[i] = landed + int(batch.num_pending_samples[slot])
             drafts[i] = nd
             digest_len[i] = landed
-    return PlanView(req_ids, slots, starts, num_new, known, drafts, digest_len)
+    return PlanView(req_ids, slots, starts, num_new, known, drafts, digest_len, plan.prefill_shaped)

@@ -38,7 +38,9 @@ logger = logging.getLogger(__name__)
 
 class StageRunner:
     def __init__(self, config: EngineConfig, rank: int, span: LayerSpan,
-                 max_model_len: int) -> None:
+                 max_model_len: int, prefill_span: Optional[LayerSpan] = None) -> None:
+        """span: the blocks a decode-shaped step runs here; prefill_span: a prefill-shaped
+        step's (StepPlan.prefill_shaped; default span's), the same attention layers."""
         torch.set_num_threads(config.torch_threads_per_stage)
         self.config = config
         self.rank = rank
@@ -48,7 +50,8 @@ class StageRunner:
         self.dtype = getattr(torch, config.dtype)
         self.spec = ModelSpec.from_dir(config.model)
         self.model = build_stage(self.spec, span, self.is_first, self.is_last,
-                                 self.dtype, self.device, max_positions=max_model_len)
+                                 self.dtype, self.device, max_positions=max_model_len,
+                                 prefill_span=prefill_span)
         self.num_layers = len(span.attention_layers)  # the layers whose KV cache is here
         self.batch = InputBatch(config.max_num_seqs, max_model_len, config.block_size)
         # [max_num_seqs + 1] each slot's latest sample on the device: the last rank's own
@@ -61,6 +64,7 @@ class StageRunner:
         self.drafter = self.last.drafter if self.last is not None else None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: Optional[DecodeGraphs] = None  # cuda, unless enforce_eager
+        self.num_steps_run = 0  # (StageModel counts those on the prefill split's blocks)
         self.transport: Optional[StageTransport] = None
         # Token feedback (EngineConfig.feeds_tokens_back, stages/token_feedback.py): the last
         # rank sends its samples to rank 0, which embeds them; ranks in between count a
@@ -126,10 +130,11 @@ class StageRunner:
     def _forward(self, x: Optional[torch.Tensor], inputs: StepInputs,
                  head: bool = False) -> torch.Tensor:
         """A staged decode step replays a CUDA graph (with head: one ending in the greedy
-        tokens); any other step runs eagerly."""
+        tokens); any other step runs eagerly, a prefill-shaped one on the prefill split."""
+        self.num_steps_run += 1
         if inputs.staged is not None:
             return self.graphs.run(inputs.staged, x, head=head)
-        return self.model(x, inputs.meta, self.kv_caches)
+        return self.model(x, inputs.meta, self.kv_caches, prefill_shaped=inputs.prefill_shaped)
 
     def init_transport(self, store) -> None:
         """Join the inter-stage link through the rendezvous store (stages/transport.py); a
@@ -412,7 +417,7 @@ class StageRunner:
         samples_every_token = len(sample) == len(positions)
         meta = staged = None
         if (self.graphs is not None and samples_every_token and len(rows) == len(positions)
-                and 0 < len(rows) <= self.graphs.max_rows):
+                and 0 < len(rows) <= self.graphs.max_rows and not view.prefill_shaped):
             # A decode step that samples every row: staged into its graph's buffer.
             with phase("stage graph inputs"):
                 staged = self.graphs.stage(rows, positions, token_ids, patch_index,
@@ -436,7 +441,8 @@ class StageRunner:
                           sample_token_index=token_index, sample_output_index=output_index,
                           sample_num_drafts=num_drafts, patch_index=patch_index,
                           patch_slot=patch_slot, device=device,
-                          samples_every_token=samples_every_token, staged=staged)
+                          samples_every_token=samples_every_token, staged=staged,
+                          prefill_shaped=view.prefill_shaped)
 
     def check(self) -> None:
         self.batch.check()

@@ -36,6 +36,8 @@ class StepInputs:
     # a decode step staged for its graph (stages/graph_inputs.py): meta is None then, and
     # of the device inputs only sample_slots is set
     staged: Optional[StagedDecode] = None
+    # the plan's: an eager step that runs the prefill split's blocks (never staged)
+    prefill_shaped: bool = False
 
 
 @dataclass

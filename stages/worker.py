@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 from ray_runtime.config import EngineConfig
 from ray_runtime.gc_pauses import settle_heap
-from ray_runtime.layer_span import LayerSpan
+from ray_runtime.layer_span import LayerSpan, StageBlocks
 from stages import profiling
 from stages.runner import StageRunner
 from stages.step_loop import StepLoop
@@ -58,14 +58,16 @@ def require_model_folder(model: str, rank: int) -> None:
 
 class StageWorker:
     def __init__(self, config: EngineConfig, rank: int, span: LayerSpan,
-                 max_model_len: int, engine_id: str = "") -> None:
+                 max_model_len: int, engine_id: str = "",
+                 prefill_span: Optional[LayerSpan] = None) -> None:
+        label = StageBlocks(span, prefill_span or span).label()
         self._desc = (f"rank={rank}/{config.pipeline_parallel_size}, "
-                      f"layers={span.label()}, engine={engine_id or '?'}")
+                      f"layers={label}, engine={engine_id or '?'}")
         self.log = stage_log(rank, config.pipeline_parallel_size)
         require_model_folder(config.model, rank)
         profiling.prepare(config.device)
-        self.runner = StageRunner(config, rank, span, max_model_len)
-        self.log.info("layers %s of %s loaded (pid %d)", span.label(),
+        self.runner = StageRunner(config, rank, span, max_model_len, prefill_span=prefill_span)
+        self.log.info("layers %s of %s loaded (pid %d)", label,
                       config.model, os.getpid())
         self.loop: Optional[StepLoop] = None
         self._store = None  # rank 0: the rendezvous store opened for the next init_transport
@@ -82,7 +84,8 @@ class StageWorker:
         return {"rank": self.runner.rank, "node_id": ctx.get_node_id(),
                 "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-                "layers": self.runner.model.span.bounds}
+                "layers": self.runner.model.span.bounds,
+                "prefill_layers": self.runner.model.prefill_span.bounds}
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0: open a fresh rendezvous store for the link, listening on this node's
@@ -111,6 +114,12 @@ class StageWorker:
         """Tests: how many times this rank has joined the link, and (rank 0) where its
         latest rendezvous store listens."""
         return {"generation": self.runner.link_generation, "rendezvous": self._rendezvous}
+
+    def steps_by_split(self) -> dict:
+        """How many steps this rank ran on each split's blocks (ray_runtime/layer_span.py):
+        the prefill split's as its model counted them."""
+        prefill = self.runner.model.num_prefill_split_runs
+        return {"decode": self.runner.num_steps_run - prefill, "prefill": prefill}
 
     def kv_block_capacity(self) -> int:
         return self.runner.kv_block_capacity()

@@ -27,8 +27,11 @@ def test_driver_and_stages_are_named_and_readable(ray_cluster, tiny_model):
             stage = ray.get_actor(f"ray_pp-{eid}-stage{rank}of2-layers{first}-{last}")
             info = ray.get(stage.node_info.remote())
             assert info["rank"] == rank and info["layers"] == [first, last + 1]
+            # the prefill split moves layer 2's MLP (ray_runtime/layer_span.py)
+            prefill = ["0-2a", "2m-4"][rank]
+            assert info["prefill_layers"] == [[0, 2.5], [2.5, 5]][rank]
             assert _repr_name(stage) == \
-                f"StageWorker(rank={rank}/2, layers={first}-{last}, engine={eid})"
+                f"StageWorker(rank={rank}/2, layers={first}-{last} (prefill {prefill}), engine={eid})"
 
 
 def test_stats_say_where_each_stage_runs(ray_cluster, tiny_model):

@@ -15,7 +15,8 @@ import ray
 from ray_runtime import LLM, SamplingParams
 from ray_runtime.output_processor import RequestFailed
 from ray_runtime.cluster import stage_actor_name
-from ray_runtime.layer_span import stage_spans
+from ray_runtime.layer_span import stage_blocks
+from stages.model_spec import ModelSpec
 from tests.conftest import stress_workload
 from tests.reference import assert_matches, hf_greedy
 from tests.stages.test_transport import listening_addresses
@@ -52,7 +53,8 @@ def engines(ray_cluster, tiny_model):
 def link_infos(llm: LLM, pp: int) -> list[dict]:
     """Each stage's link_info(): how many times it has joined the link, where rank 0's store
     listens."""
-    ranges = stage_spans(llm.info["num_layers"], pp, None)
+    spec = ModelSpec.from_dir(llm.config.model)
+    ranges = stage_blocks(spec.num_layers, pp, None, None, spec.attention_share)
     names = [stage_actor_name(llm.info["engine_id"], r, pp, lr) for r, lr in enumerate(ranges)]
     return ray.get([ray.get_actor(n).link_info.remote() for n in names])
 

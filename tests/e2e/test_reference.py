@@ -3,6 +3,7 @@ under the load that hides the seeds' bugs: 24 concurrent requests, prompts of 20
 a 32-token budget (chunked prefill), staggered max_tokens (rows move while others are
 mid-prefill), and a KV cap that forces preemption."""
 import pytest
+import ray
 
 from ray_runtime import LLM, SamplingParams
 from tests.conftest import stress_workload
@@ -14,12 +15,21 @@ CASES = [(arch, pp, True) for arch in ARCHS for pp in (1, 2, 3, 4)]
 CASES += [(ARCHS[pp - 1], pp, False) for pp in (1, 2, 3, 4)]
 
 
-def run_and_compare(model, pp, prompts, budgets, **engine):
+def run_and_compare(model, pp, prompts, budgets, keep=False, **engine):
+    """keep: the engine stays up, returned as stats["llm"] (the caller shuts it down)."""
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in budgets]
-    with LLM(model, pipeline_parallel_size=pp, debug_checks=True, **engine) as llm:
+    llm = LLM(model, pipeline_parallel_size=pp, debug_checks=True, **engine)
+    try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         stats = llm.stats()
         llm.check()
+    except BaseException:
+        llm.shutdown()
+        raise
+    if keep:
+        stats["llm"] = llm
+    else:
+        llm.shutdown()
     ties = 0
     for i, (out, prompt, m) in enumerate(zip(outs, prompts, budgets)):
         comp = out.outputs[0]
@@ -61,6 +71,37 @@ def test_half_layer_partition(ray_cluster, tiny_model):
                                max_num_seqs=16, max_num_batched_tokens=32, num_kv_blocks=30)
     assert stats["num_preemptions"] > 0 and [p["layers"] for p in stats["stage_placement"]] == \
         [[0, 1.5], [1.5, 3.5], [3.5, 5]]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_prefill_split_moves_mlp_blocks_and_keeps_outputs(ray_cluster, tiny_model, async_scheduling):
+    """A prefill split that differs from decode's at both boundaries (ray_runtime/layer_span.py):
+    decode 2,2,1, prefill 1.5,2,1.5 (layer 1's MLP runs on rank 1 and layer 3's on rank 2 in
+    prefill-shaped steps). Outputs equal HF under chunked prefill and preemption, and every
+    rank ran each step on the same split, with steps of both kinds."""
+    from ray_runtime.cluster import stage_actor_name
+    from ray_runtime.layer_span import StageBlocks, stage_spans
+
+    model = tiny_model("llama")  # 5 layers
+    prompts, budgets = stress_workload(seed=13, num_requests=24)
+    stats, _ = run_and_compare(model, 3, prompts, budgets, pp_layer_partition="2,2,1",
+                               pp_prefill_partition="1.5,2,1.5", max_num_seqs=16,
+                               max_num_batched_tokens=32, num_kv_blocks=30,
+                               async_scheduling=async_scheduling, keep=True)
+    llm = stats.pop("llm")
+    try:
+        placement = stats["stage_placement"]
+        assert [p["layers"] for p in placement] == [[0, 2], [2, 4], [4, 5]]
+        assert [p["prefill_layers"] for p in placement] == [[0, 1.5], [1.5, 3.5], [3.5, 5]]
+        blocks = [StageBlocks(d, p) for d, p in zip(stage_spans(5, 3, (2, 2, 1)),
+                                                      stage_spans(5, 3, (1.5, 2, 1.5)))]
+        names = [stage_actor_name(llm.info["engine_id"], r, 3, b) for r, b in enumerate(blocks)]
+        counts = ray.get([ray.get_actor(n).steps_by_split.remote() for n in names])
+    finally:
+        llm.shutdown()
+    assert counts[0] == counts[1] == counts[2], counts
+    assert counts[0]["prefill"] > 0 and counts[0]["decode"] > 0, counts
+    assert stats["num_preemptions"] > 0
 
 
 def test_eos_stops_unless_ignored(ray_cluster, tiny_model):

@@ -3,8 +3,8 @@ tile the model exactly once, each block on one stage; bad partitions are refused
 field."""
 import pytest
 
-from ray_runtime.layer_span import (HEAD_LAYERS, LayerSpan, balanced_partition, parse_partition,
-                                    stage_spans)
+from ray_runtime.layer_span import (HEAD_LAYERS, LayerSpan, StageBlocks, balanced_partition,
+                                    block_cost, parse_partition, stage_blocks, stage_spans)
 
 
 @pytest.mark.parametrize("num_layers,pp,partition", [
@@ -97,3 +97,57 @@ def test_names_and_arrays():
 
     assert stage_spans(5, 2, "EVEN") == stage_spans(5, 2, "even") == stage_spans(5, 2, np.array([3, 2]))
     assert stage_spans(5, 2, "2.5, 2.5") == [LayerSpan(0, 5), LayerSpan(5, 10)]
+
+
+LLAMA8B_ATTENTION = 0.1923  # ModelSpec.attention_share of Llama-3-8B's shape
+
+
+def _prefill_layers(blocks):
+    return [(b.prefill.end - b.prefill.start) / 2 for b in blocks]
+
+
+def test_the_prefill_split_moves_an_mlp_block_where_the_head_idles_the_last_stage():
+    """Llama-3-8B at PP=4: decode's 8,8.5,8.5,7 leaves the last stage 7 layers of prefill work
+    against 8.81 (layer 16's MLP on rank 2); layer 24's MLP moving on to the last stage gives
+    8,8.5,8,7.5, the costliest stage 8.19. At PP=2 (16.5,15.5) and PP=3 nothing is cheaper."""
+    blocks = stage_blocks(32, 4, None, None, LLAMA8B_ATTENTION)
+    assert [b.decode for b in blocks] == stage_spans(32, 4, None)
+    assert _prefill_layers(blocks) == [8, 8.5, 8, 7.5]
+    assert blocks[3].prefill == LayerSpan(49, 64) and blocks[2].prefill == LayerSpan(33, 49)
+    assert blocks[2].label() == "16m-24 (prefill 16m-24a)" and blocks[0].label() == "0-7"
+
+    def cost(span):
+        return sum(block_cost(x, LLAMA8B_ATTENTION) for x in range(span.start, span.end))
+    assert round(max(cost(b.decode) for b in blocks), 2) == 8.81
+    assert round(max(cost(b.prefill) for b in blocks), 2) == 8.19
+    for pp in (1, 2, 3):
+        assert all(b.prefill == b.decode for b in stage_blocks(32, pp, None, None, LLAMA8B_ATTENTION))
+    assert all(b.prefill == b.decode for b in stage_blocks(32, 4, None, "same", LLAMA8B_ATTENTION))
+
+
+@pytest.mark.parametrize("num_layers,pp,partition", [
+    (32, 4, None), (32, 8, None), (7, 4, None), (5, 3, (1.5, 2, 1.5)), (4, 4, None), (9, 3, (4, 4, 1))])
+def test_the_prefill_split_keeps_every_attention_where_its_cache_is(num_layers, pp, partition):
+    for share in (0.05, LLAMA8B_ATTENTION, 0.5, 0.9):
+        blocks = stage_blocks(num_layers, pp, partition, None, share)
+        prefill = [b.prefill for b in blocks]
+        assert prefill[0].start == 0 and prefill[-1].end == 2 * num_layers
+        assert all(a.end == b.start for a, b in zip(prefill, prefill[1:]))
+        for b in blocks:
+            b.check()
+            assert b.decode.attention_layers == b.prefill.attention_layers
+            assert abs(b.decode.start - b.prefill.start) <= 1 and abs(b.decode.end - b.prefill.end) <= 1
+
+
+def test_a_given_prefill_split_must_keep_each_stages_attention_layers():
+    blocks = stage_blocks(5, 3, (2, 1.5, 1.5), (1.5, 2, 1.5), LLAMA8B_ATTENTION)
+    assert _prefill_layers(blocks) == [1.5, 2, 1.5] and blocks[0].held == LayerSpan(0, 4)
+    # 2.5,1,1.5 would move layer 2's attention (and its KV cache) to rank 0
+    with pytest.raises(ValueError, match="pp_prefill_partition, stage 0: .*same attention layers"):
+        stage_blocks(5, 3, (2, 1.5, 1.5), (2.5, 1, 1.5), LLAMA8B_ATTENTION)
+    with pytest.raises(ValueError, match="pp_prefill_partition: .*sums to 4"):
+        stage_blocks(5, 3, (2, 1.5, 1.5), (2, 1, 1), LLAMA8B_ATTENTION)
+    with pytest.raises(ValueError, match="pp_prefill_partition must be 'auto', 'same'"):
+        stage_blocks(5, 3, None, "even", LLAMA8B_ATTENTION)
+    with pytest.raises(ValueError, match="same attention layers"):
+        StageBlocks(LayerSpan(0, 4), LayerSpan(0, 6)).check()

@@ -196,10 +196,13 @@ def prompt(n: int, start: int = 3) -> list[int]:
 # ---- budget, chunked prefill, max_num_seqs -----------------------------------------------
 
 def test_chunked_prefill_under_budget_while_decode_gets_one_token_per_step():
+    """...and a step is prefill-shaped (StepPlan.prefill_shaped) while fewer than half of its
+    tokens get logits: a prompt's chunks with a decode row, not the decode rows alone."""
     h = Harness(budget=8, block_size=4, num_blocks=64)
     h.add("dec", prompt(3), max_tokens=40)
     p1 = h.step()
     assert p1.scheduled_req_ids == ["dec"] and p1.num_scheduled_tokens == [3]
+    assert p1.prefill_shaped  # 1 of 3 tokens gets logits
     h.add("long", prompt(50), max_tokens=2)
     chunks = []
     long_req = h.all["long"]
@@ -209,6 +212,9 @@ def test_chunked_prefill_under_budget_while_decode_gets_one_token_per_step():
         assert sched["dec"] == 1, "a decoding request gets exactly one token per step"
         assert plan.scheduled_req_ids[0] == "dec"  # oldest first
         assert plan.total_num_scheduled_tokens <= 8
+        # dec's token and, in the last chunk, long's last one get logits
+        logits = 1 + (long_req.num_computed_tokens == 50)
+        assert plan.prefill_shaped == (2 * logits < plan.total_num_scheduled_tokens)
         chunks.append(sched["long"])
         if long_req.num_computed_tokens < 50:
             assert long_req.num_output_tokens == 0  # mid-prefill samples nothing
@@ -217,6 +223,7 @@ def test_chunked_prefill_under_budget_while_decode_gets_one_token_per_step():
     assert len(chunks) == 8  # ceil(50 / 7)
     plan = h.step()
     assert dict(zip(plan.scheduled_req_ids, plan.num_scheduled_tokens)) == {"dec": 1, "long": 1}
+    assert not plan.prefill_shaped
     h.run()
     assert h.all["long"].num_output_tokens == 2 and h.all["dec"].num_output_tokens == 40
 

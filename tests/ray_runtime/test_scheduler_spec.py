@@ -82,6 +82,7 @@ def prefilled_with_drafts(**kw) -> tuple[Driver, Request]:
     a = d.add("A", PROMPT)
     rec = d.schedule()
     assert [n.req_id for n in rec.plan.new_reqs] == ["A"] and rec.plan.num_scheduled_tokens == [5]
+    assert rec.plan.prefill_shaped  # 1 of its 5 tokens gets logits
     # KV for the prompt and the K-slot lookahead
     assert d.s.blocks.num_owned("A") == blocks_for(5 + K, d.bs)
     assert rec.num_drafts == {"A": 0} and rec.expected["A"].num_draft_tokens == 0
@@ -99,6 +100,7 @@ def test_next_step_verifies_the_proposed_drafts():
     rec = d.schedule()
     plan = rec.plan
     assert plan.scheduled_req_ids == ["A"] and plan.num_scheduled_tokens == [1 + K]
+    assert not plan.prefill_shaped  # every token of a verifying step gets logits
     assert plan.new_reqs == [] and len(plan.cached_reqs) == 1
     c = plan.cached_reqs[0]
     assert c.draft_token_ids == DRAFTS

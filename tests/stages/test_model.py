@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ray_runtime.layer_span import stage_spans
+from ray_runtime.layer_span import stage_blocks, stage_spans
 from stages.kv_cache import allocate_kv_cache
 from stages.model import AttentionMetadata, build_stage
 from stages.model_spec import ModelSpec
@@ -124,3 +124,46 @@ def test_a_stage_refuses_kv_caches_that_do_not_match_its_attention_layers(tiny_m
         kv = allocate_kv_cache(spec, n, 1, 4, torch.float32, "cpu")
         with pytest.raises(ValueError, match="KV caches for 3 attention layers"):
             stages[0](torch.arange(3, 7), meta, kv)
+
+
+@pytest.mark.parametrize("partition,prefill", [((2, 1.5, 1.5), (1.5, 2, 1.5)),
+                                               ((2, 2, 1), (2, 1.5, 1.5))])
+def test_stages_with_a_prefill_split_run_either_kind_of_step(tiny_model, partition, prefill):
+    """A stage holds the MLP block at a boundary that the prefill split moves (both
+    neighbours do), runs it only in the steps of its kind, and the chain gives HF's logits
+    for both kinds; the first pair moves layer 1's MLP to rank 1, the second layer 3's to
+    rank 2."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model("llama")
+    spec = ModelSpec.from_dir(model_dir)
+    blocks = stage_blocks(spec.num_layers, 3, partition, prefill, spec.attention_share)
+    stages = [build_stage(spec, b.decode, i == 0, i == 2, torch.float32, "cpu",
+                          prefill_span=b.prefill) for i, b in enumerate(blocks)]
+    moved = [b for b in blocks if b.decode != b.prefill]
+    assert len(moved) == 2  # the two stages beside the moved block
+    for b, stage in zip(blocks, stages):  # each holds the union, no more
+        assert [i for i, layer in zip(b.held.layers, stage.layers) if layer.mlp is not None] == \
+            [i for i in b.held.layers if b.decode.has_mlp(i) or b.prefill.has_mlp(i)]
+    prompt = torch.arange(3, 43)
+    block_size, n = 4, len(prompt)
+    meta = AttentionMetadata(positions=torch.arange(n), slot_mapping=torch.arange(n),
+                             block_tables=torch.arange(n // block_size).unsqueeze(0),
+                             seq_lens=[n], query_start_loc=[0, n])
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        ref = hf(prompt.unsqueeze(0)).logits[0]
+        for prefill_shaped in (False, True):
+            x = prompt
+            for stage, b in zip(stages, blocks):
+                kv = allocate_kv_cache(spec, len(b.decode.attention_layers), n // block_size,
+                                       block_size, torch.float32, "cpu")
+                x = stage(x, meta, kv, prefill_shaped=prefill_shaped)
+            torch.testing.assert_close(stages[-1].compute_logits(x), ref, rtol=1e-4, atol=1e-4)
+        # a stage run on the other kind's blocks is not the same function: the split matters
+        x = prompt
+        for stage, b, kind in zip(stages, blocks, (False, True, False)):
+            kv = allocate_kv_cache(spec, len(b.decode.attention_layers), n // block_size,
+                                   block_size, torch.float32, "cpu")
+            x = stage(x, meta, kv, prefill_shaped=kind)
+        assert not torch.allclose(stages[-1].compute_logits(x), ref, rtol=1e-4, atol=1e-4)
