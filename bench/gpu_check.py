@@ -51,7 +51,8 @@ def hf_greedy(model, prompt, n):
 
 
 def agreement(model_dir, dtype_name, pp_sizes, n_req, n_tok, rng, partitions=None):
-    """pp_sizes: one engine each; partitions: pp_layer_partition per entry (None: even)."""
+    """pp_sizes: one engine each; partitions: pp_layer_partition per entry (None: the
+    default), or (pp_layer_partition, pp_prefill_partition)."""
     from transformers import AutoModelForCausalLM
 
     from ray_runtime import LLM, SamplingParams
@@ -65,8 +66,10 @@ def agreement(model_dir, dtype_name, pp_sizes, n_req, n_tok, rng, partitions=Non
     torch.cuda.empty_cache()
     rows = []
     for pp, part in zip(pp_sizes, partitions or [None] * len(pp_sizes)):
+        part, prefill = part if isinstance(part, tuple) else (part, None)
         with LLM(model_dir, pipeline_parallel_size=pp, device="cuda", dtype=dtype_name,
-                 max_num_batched_tokens=512, num_kv_blocks=2048, pp_layer_partition=part) as llm:
+                 max_num_batched_tokens=512, num_kv_blocks=2048, pp_layer_partition=part,
+                 pp_prefill_partition=prefill) as llm:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                 SamplingParams(max_tokens=n_tok, temperature=0, ignore_eos=True))
             mism = llm.stats()["bookkeeping_mismatches"]
@@ -77,10 +80,12 @@ def agreement(model_dir, dtype_name, pp_sizes, n_req, n_tok, rng, partitions=Non
                 exact += 1
             else:
                 first_div.append(next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b))
-        rows.append({"dtype": dtype_name, "pp": pp, "partition": part, "requests": n_req, "tokens": n_tok,
+        rows.append({"dtype": dtype_name, "pp": pp, "partition": part, "prefill_partition": prefill,
+                     "requests": n_req, "tokens": n_tok,
                      "exact": exact, "agreement_rate": exact / n_req, "bookkeeping_mismatches": mism,
                      "first_divergence_positions": sorted(first_div)})
-        print(f"agreement {dtype_name} PP={pp} partition {part or 'default'}: {exact}/{n_req} exact; first divergences {sorted(first_div)[:20]}",
+        print(f"agreement {dtype_name} PP={pp} partition {part or 'default'} prefill {prefill or 'auto'}: "
+              f"{exact}/{n_req} exact; first divergences {sorted(first_div)[:20]}",
               flush=True)
     return rows
 
@@ -236,8 +241,10 @@ def main() -> None:
     pps = [n for n in (1, 2, 4) if n <= torch.cuda.device_count()]
     small = qwen3_dir(args.root, 5, torch.float32, small=True)
     result = {"gpus": torch.cuda.device_count(), "sync_debug": args.sync_debug, "agreement": []}
-    # the default split at every PP size; then stage boundaries inside layers (layer_span.py)
-    halves = {2: "2.5,2.5", 4: "1.5,1,1,1.5"}
+    # the default split at every PP size (at PP=2 the prefill split moves layer 2's MLP);
+    # then stage boundaries inside layers, at PP=4 with two MLP blocks moved for prefill
+    # (layer_span.py)
+    halves = {2: "2.5,2.5", 4: ("2,1,1,1", "1.5,1,1.5,1")}
     parts = [None] * len(pps) + [halves[n] for n in pps if n in halves]
     result["agreement"] += agreement(small, "float32", pps + [n for n in pps if n in halves],
                                      32, 32, rng, parts)

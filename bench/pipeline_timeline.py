@@ -18,8 +18,8 @@ waited for lies ({lag: steps}; with PP micro-batches, PP: the micro-batch's prev
 last_call: the whole of the trace's last generate call (the steps planned after the
 engine's last "busy" mark, when it took up work after idling), per stage, as fractions of
 its wall time (rank 0's first device start to the last stage's last device end): busy and
-idle in prefill steps and in decode steps (a prefill step: at least half of its tokens are
-prompt tokens, from the plan's `tokens` and `prompt_tokens`; idle is the gap before a step,
+idle in prefill steps and in decode steps (a prefill step: the plan's `prefill_shaped`, fewer
+than half of its tokens get logits; in traces before it, at least half are prompt tokens; idle is the gap before a step,
 charged to that step), fill (before the stage's first step) and drain (after its last);
 lead_ms: from the busy mark to the first plan, and from it to rank 0's first device start;
 window_epoch_ms: the window's ends (epoch ms), for a caller that timed the call itself.
@@ -99,8 +99,8 @@ def last_call(events: list[dict], gpu: dict, pp: int) -> dict | None:
     if not marks or not plans or "prompt_tokens" not in plans[0][1]:
         return None
     start = max(marks)  # the engine went busy with the last call's requests
-    kind = {a["step"]: "prefill" if 2 * a["prompt_tokens"] >= max(1, a["tokens"]) else "decode"
-            for t, a in plans if t >= start}
+    kind = {a["step"]: "prefill" if a.get("prefill_shaped", 2 * a["prompt_tokens"] >= max(1, a["tokens"]))
+            else "decode" for t, a in plans if t >= start}
     steps = sorted(s for s in kind if all(s in gpu[k] for k in range(pp)))
     if not steps:
         return None

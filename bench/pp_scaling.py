@@ -112,10 +112,12 @@ def first_layers(path: str, layers: int) -> str:
     return out
 
 
-def partition_suffix(part: str) -> str:
-    """How a layer partition shows in run names and result keys ("" for the default split,
-    'balanced'; results before 0b85b64 ran the even split as their default)."""
-    return "" if part == "balanced" else "_partition_" + part.replace(",", "_")
+def partition_suffix(part: str, prefill: str = "auto") -> str:
+    """How a layer partition (and a prefill split) shows in run names and result keys ("" for
+    the defaults, 'balanced' and 'auto'; results before 0b85b64 ran the even split as their
+    default, before the prefill split every run was 'same')."""
+    return ("" if part == "balanced" else "_partition_" + part.replace(",", "_")) + \
+        ("" if prefill == "auto" else "_prefill_" + prefill.replace(",", "_"))
 
 
 def trace_timeline(path: str) -> Optional[dict]:
@@ -176,6 +178,9 @@ def main() -> None:
     p.add_argument("--partition", nargs="+", default=["balanced"],
                    help="PP>1 layer partitions to run side by side: 'balanced' (the default "
                         "split), 'even', or layers per stage, e.g. 17,15")
+    p.add_argument("--prefill-partition", nargs="+", default=["auto"],
+                   help="pp_prefill_partition per run: auto (the default), same (decode's) or "
+                        "layers per stage")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="the engine's max_num_seqs (default: every request held at once); "
                         "below --requests the rest wait in the queue")
@@ -197,23 +202,24 @@ def main() -> None:
             for _ in range(args.requests * scale)]
     rows = []
     timelines: dict = {}
-    runs = [(pp, m, fb, n, part) for pp in args.pp for m in args.modes
+    runs = [(pp, m, fb, n, part, pf) for pp in args.pp for m in args.modes
             for fb in (args.feedback if pp > 1 and m == "async" else ["on"])
             for n in (args.inflight if pp > 1 and m == "async" else [0])
-            for part in (args.partition if pp > 1 else ["balanced"])]
+            for part in (args.partition if pp > 1 else ["balanced"])
+            for pf in (args.prefill_partition if pp > 1 else ["auto"])]
     longest = max(args.output_len)
-    for pp, mode, fb, inflight, part in runs:
+    for pp, mode, fb, inflight, part, pf in runs:
         # PP=N's requests: N x B when matched (PP=1 holds the largest total for its extra rows)
         held = args.requests * ((scale if pp == 1 else pp) if args.matched else 1)
         blocks = held * ((args.input_len + longest) // 16 + 2)
         name = f"pp{pp}_{mode}" + (f"_feedback_{fb}" if pp > 1 and mode == "async" else "") \
-            + partition_suffix(part)
+            + partition_suffix(part, pf)
         with LLM(model, pipeline_parallel_size=pp, device="cuda", dtype="bfloat16",
                  max_num_seqs=args.max_num_seqs or held, max_num_batched_tokens=8192, num_kv_blocks=blocks,
                  max_model_len=args.input_len + longest + 16,
                  async_scheduling=mode == "async", max_inflight_steps=inflight or None,
                  pp_token_feedback=fb == "on",
-                 pp_layer_partition=part,
+                 pp_layer_partition=part, pp_prefill_partition=pf,
                  trace_file=os.path.join(args.trace_dir, f"trace_{name}.json")
                  if args.trace_dir else None) as llm:
             # Warm-up: every prefill and decode shape of the workload (kernels compiled and
@@ -238,7 +244,7 @@ def main() -> None:
                     "pp": pp, "async": mode == "async", "feedback": fb == "on" and pp > 1
                     and mode == "async", "output_len": out_len, "requests": num,
                     "max_inflight_steps": inflight or llm.config.inflight_steps,
-                    "partition": part,
+                    "partition": part, "prefill_partition": pf,
                     "elapsed_s": round(el, 2),
                     "output_tok_s": round(num * out_len / el, 1),
                     "steps": st["num_steps"] - b["num_steps"],
@@ -280,7 +286,7 @@ def main() -> None:
             continue
         key = f"pp{r['pp']}_out{r['output_len']}" + ("" if r["feedback"] else "_no_feedback") \
             + (f"_inflight{r['max_inflight_steps']}" if args.inflight != [0] else "") \
-            + partition_suffix(r["partition"])
+            + partition_suffix(r["partition"], r["prefill_partition"])
         eff = r["output_tok_s"] / (r["pp"] * base)
         if args.matched:
             result[key + "_matched_scaling_efficiency"] = round(eff, 3)
@@ -299,13 +305,13 @@ def main() -> None:
             base, share = pp1.get((out_len, args.requests)), pp1.get((out_len, args.requests // n))
             if n > 1 and base and share:
                 result[f"pp{n}_out{out_len}_fixed_batch_ceiling"] = round(share / base, 3)
-    sync = {(r["pp"], r["output_len"], r["partition"]): r["output_tok_s"] for r in rows
+    sync = {(r["pp"], r["output_len"], r["partition"], r["prefill_partition"]): r["output_tok_s"] for r in rows
             if not r["async"] and r["requests"] == args.requests}
     for r in rows:
-        key = (r["pp"], r["output_len"], r["partition"])
+        key = (r["pp"], r["output_len"], r["partition"], r["prefill_partition"])
         if r["async"] and r["feedback"] == (r["pp"] > 1) and r["requests"] == args.requests \
                 and key in sync:
-            part = partition_suffix(r["partition"])
+            part = partition_suffix(r["partition"], r["prefill_partition"])
             result[f"async_speedup_pp{r['pp']}_out{r['output_len']}{part}"] = round(
                 r["output_tok_s"] / sync[key], 3)
     print({k: v for k, v in result.items() if "efficiency" in k or "speedup" in k or "ceiling" in k or "gain" in k})

@@ -228,7 +228,8 @@ class EngineCore:
                 self.trace.driver_span("plan", t0, t1, step=record.plan.step_id,
                                        reqs=len(record.plan.scheduled_req_ids),
                                        tokens=record.plan.total_num_scheduled_tokens,
-                                       prompt_tokens=self._prompt_tokens(record.plan))
+                                       prompt_tokens=self._prompt_tokens(record.plan),
+                                       prefill_shaped=record.plan.prefill_shaped)
 
     def _prompt_tokens(self, plan) -> int:
         """How many of a just-made plan's tokens are prompt tokens (for the trace)."""
