@@ -272,6 +272,10 @@ class StageRunner:
                     self.last.defer(hidden, inputs, step)
                 else:
                     self.last.sample_step(plan.step_id, hidden, inputs, step)
+        # The stage's own device work ends here. What follows may wait on the next rank (a
+        # send's buffer is free once the previous send is received): idle, not compute.
+        step.gpu_end = self._record_event()
+        if self.is_last:
             if self.token_sender is not None:
                 with phase("send tokens"):
                     self.token_sender.send(plan.step_id, self._sampled_tokens(step))
@@ -284,7 +288,6 @@ class StageRunner:
                     if self.token_receiver is not None:
                         self.token_receiver.post(plan.step_id, inputs.sample_slots,
                                                  generations, inputs.device.sample_slots)
-        step.gpu_end = self._record_event()
         step.compute_done = time.time()
         return step
 
