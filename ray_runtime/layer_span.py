@@ -23,7 +23,6 @@ to the last stage), its costliest stage 8.19 layers of work against 8.81.
 """
 from __future__ import annotations
 
-import itertools
 import math
 from typing import NamedTuple, Optional, Union
 
@@ -197,19 +196,38 @@ def cheapest_prefill_spans(decode: list[LayerSpan], attention_share: float) -> l
     """The prefill split from decode's: at each boundary between stages, the MLP block next to
     it stays or crosses (a whole-layer boundary hands the earlier stage's last MLP on; one
     after an attention block takes the next stage's first MLP back), whichever gives the
-    costliest stage the least prefill work (fewest moves on a tie)."""
+    costliest stage the least prefill work (fewest moves on a tie). Two passes over the
+    boundaries, linear in PP: the least cost any choice reaches, then the fewest moves within it."""
     bounds = [s.end for s in decode[:-1]]
-    options = [(b, b - 1 if b % 2 == 0 else b + 1) for b in bounds]
-    first, last = decode[0].start, decode[-1].end
-    best = None
-    for choice in itertools.product(*options):
-        edges = [first, *choice, last]
-        spans = [LayerSpan(a, b) for a, b in zip(edges, edges[1:])]
-        cost = max(sum(block_cost(x, attention_share) for x in range(s.start, s.end)) for s in spans)
-        key = (round(cost, 9), sum(c != b for c, b in zip(choice, bounds)))
-        if best is None or key < best[0]:
-            best = (key, spans)
-    return best[1]
+    # each boundary's options, the stay first: (edge, moved)
+    options = [[(decode[0].start, 0)]] + [[(b, 0), (b - 1 if b % 2 == 0 else b + 1, 1)]
+                                          for b in bounds] + [[(decode[-1].end, 0)]]
+
+    def cost(a: int, b: int) -> float:
+        return round(sum(block_cost(x, attention_share) for x in range(a, b)), 9)
+
+    # pass 1: per option of boundary k, the least max cost of the stages before it
+    least = [{0: 0.0}]
+    for k in range(1, len(options)):
+        least.append({j: min(max(least[-1][i], cost(options[k - 1][i][0], e))
+                             for i in least[-1]) for j, (e, _) in enumerate(options[k])})
+    ceiling = least[-1][0]
+    # pass 2: the fewest moves with no stage above that, and the path
+    moves = [{0: (0, None)}]
+    for k in range(1, len(options)):
+        step = {}
+        for j, (e, moved) in enumerate(options[k]):
+            ok = [(moves[-1][i][0] + moved, i) for i in moves[-1]
+                  if cost(options[k - 1][i][0], e) <= ceiling]
+            if ok:
+                step[j] = min(ok)
+        moves.append(step)
+    j, edges = 0, []
+    for k in range(len(options) - 1, -1, -1):
+        edges.append(options[k][j][0])
+        j = moves[k][j][1]
+    edges.reverse()
+    return [LayerSpan(a, b) for a, b in zip(edges, edges[1:])]
 
 
 def stage_blocks(num_layers: int, pp_size: int, partition: Optional[Partition],
@@ -219,15 +237,15 @@ def stage_blocks(num_layers: int, pp_size: int, partition: Optional[Partition],
     keep every stage's attention layers (a ValueError naming the stage otherwise)."""
     decode = stage_spans(num_layers, pp_size, partition)
     prefill_partition = parse_prefill_partition(prefill_partition)
-    if prefill_partition == "same" or pp_size == 1:
+    if prefill_partition == "same" or (pp_size == 1 and prefill_partition is None):
         prefill = decode
     elif prefill_partition is None:
         prefill = cheapest_prefill_spans(decode, attention_share)
     else:
         try:
             prefill = stage_spans(num_layers, pp_size, prefill_partition)
-        except ValueError as e:
-            raise ValueError(f"pp_prefill_partition: {e}") from None
+        except ValueError as e:  # its checks name the field they were written for
+            raise ValueError(str(e).replace("pp_layer_partition", "pp_prefill_partition")) from None
     out = [StageBlocks(d, p) for d, p in zip(decode, prefill)]
     for rank, b in enumerate(out):
         try:

@@ -5,7 +5,7 @@ import pytest
 import ray
 
 from ray_runtime.cluster import start_stages
-from ray_runtime.layer_span import LayerSpan
+from ray_runtime.layer_span import LayerSpan, StageBlocks
 from ray_runtime.config import EngineConfig
 from stages.worker import require_model_folder
 
@@ -30,7 +30,8 @@ def test_a_stage_on_a_node_without_the_model_fails_naming_node_and_path(ray_clus
     ray.get(pg.ready(), timeout=60)
     try:
         with pytest.raises(RuntimeError) as e:
-            start_stages(config, pg, [LayerSpan.of_layers(0, 2)], max_model_len=64,
+            both = LayerSpan.of_layers(0, 2)
+            start_stages(config, pg, [StageBlocks(both, both)], max_model_len=64,
                          engine_id="nomodel")
     finally:
         remove_placement_group(pg)

@@ -171,9 +171,9 @@ def test_rope_tables_cover_the_engine_s_positions_for_the_draft_model_too(tiny_r
     built = []
     real = model_mod.build_stage
 
-    def spy(spec, span, is_first, is_last, dtype, device, max_positions=None):
+    def spy(spec, span, is_first, is_last, dtype, device, max_positions=None, **kw):
         built.append(max_positions)
-        return real(spec, span, is_first, is_last, dtype, device, max_positions)
+        return real(spec, span, is_first, is_last, dtype, device, max_positions, **kw)
 
     monkeypatch.setattr(model_mod, "fused_kernels", lambda device, dtype: True)  # CPU: tables too
     monkeypatch.setattr("stages.runner.build_stage", spy)

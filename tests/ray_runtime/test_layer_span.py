@@ -4,7 +4,8 @@ field."""
 import pytest
 
 from ray_runtime.layer_span import (HEAD_LAYERS, LayerSpan, StageBlocks, balanced_partition,
-                                    block_cost, parse_partition, stage_blocks, stage_spans)
+                                    block_cost, cheapest_prefill_spans, parse_partition,
+                                    stage_blocks, stage_spans)
 
 
 @pytest.mark.parametrize("num_layers,pp,partition", [
@@ -145,9 +146,43 @@ def test_a_given_prefill_split_must_keep_each_stages_attention_layers():
     # 2.5,1,1.5 would move layer 2's attention (and its KV cache) to rank 0
     with pytest.raises(ValueError, match="pp_prefill_partition, stage 0: .*same attention layers"):
         stage_blocks(5, 3, (2, 1.5, 1.5), (2.5, 1, 1.5), LLAMA8B_ATTENTION)
-    with pytest.raises(ValueError, match="pp_prefill_partition: .*sums to 4"):
+    with pytest.raises(ValueError, match=r"pp_prefill_partition \[2, 1, 1\] sums to 4"):
         stage_blocks(5, 3, (2, 1.5, 1.5), (2, 1, 1), LLAMA8B_ATTENTION)
+    with pytest.raises(ValueError, match="pp_prefill_partition has 2 entries"):
+        stage_blocks(5, 1, None, "3,2", LLAMA8B_ATTENTION)  # checked at PP=1 too
     with pytest.raises(ValueError, match="pp_prefill_partition must be 'auto', 'same'"):
         stage_blocks(5, 3, None, "even", LLAMA8B_ATTENTION)
     with pytest.raises(ValueError, match="same attention layers"):
         StageBlocks(LayerSpan(0, 4), LayerSpan(0, 6)).check()
+
+
+def test_the_prefill_search_equals_trying_every_choice():
+    """cheapest_prefill_spans goes over the boundaries twice (linear in PP); trying each
+    boundary's two choices in every combination finds the same least cost and moves."""
+    import itertools
+    import random
+
+    def cost(spans, share):
+        return max(round(sum(block_cost(x, share) for x in range(s.start, s.end)), 9) for s in spans)
+
+    rng = random.Random(0)
+    for _ in range(400):
+        num_layers = rng.randint(2, 16)
+        pp = rng.randint(2, min(num_layers, 7))
+        cuts = sorted(rng.sample(range(1, 2 * num_layers), pp - 1))
+        edges = [0, *cuts, 2 * num_layers]
+        try:
+            decode = stage_spans(num_layers, pp, tuple((b - a) / 2 for a, b in zip(edges, edges[1:])))
+        except ValueError:
+            continue  # a stage without an attention block
+        share = rng.choice([0.05, LLAMA8B_ATTENTION, 0.5, 0.8])
+        bounds = [s.end for s in decode[:-1]]
+        best = None
+        for choice in itertools.product(*[(b, b - 1 if b % 2 == 0 else b + 1) for b in bounds]):
+            e = [0, *choice, 2 * num_layers]
+            spans = [LayerSpan(a, b) for a, b in zip(e, e[1:])]
+            key = (cost(spans, share), sum(c != b for c, b in zip(choice, bounds)))
+            best = key if best is None or key < best else best
+        got = cheapest_prefill_spans(decode, share)
+        assert (cost(got, share), sum(g.end != d.end for g, d in zip(got, decode))) == best
+    assert len(stage_blocks(64, 64, None, None, LLAMA8B_ATTENTION)) == 64  # at once, not 2^63
