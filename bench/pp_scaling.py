@@ -24,6 +24,7 @@ rows on --requests (PP=1 when matched).
 
   python bench/pp_scaling.py [--requests 256] [--input-len 256] [--output-len 128 512] [--pp 1 2 4]
                              [--matched] [--max-num-seqs N] [--feedback on off] [--modes async sync] [--partition even 17,15]
+                             [--prefill-partition auto same]
                              [--layers 16] [--trace-dir DIR] [--tag h200x2]
 
 With RAY_RUNTIME_PHASE_CLOCK=1 in the environment each row also has
